@@ -1,0 +1,463 @@
+"""A strict, fast GGUF reader over a memory map.
+
+File layout (llama.cpp `docs/gguf.md`, `ggml/src/gguf.cpp`), all little-endian:
+
+    u32 magic "GGUF" | u32 version | u64 n_tensors | u64 n_kv
+    n_kv x      (string key, u32 value_type, value)
+    n_tensors x (string name, u32 n_dims, u64 ne[n_dims], u32 ggml_type, u64 offset)
+    zero padding up to `general.alignment`
+    tensor data (each offset relative to here, aligned)
+
+Every length and count is checked against the bytes left in the file before it is used, so a malformed
+file raises `GGUFError` naming the file, the field, the value and the rule, and never drives a large
+allocation. Tensor data is never copied: `raw()` returns a read-only view into the map.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import struct
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .constants import (
+    GGML_BLOCK_LAYOUT,
+    GGML_MAX_DIMS,
+    GGML_MAX_NAME,
+    GGUF_DEFAULT_ALIGNMENT,
+    GGUF_MAGIC,
+    GGMLType,
+    GGUFValueType,
+)
+from .errors import GGUFFormatError, GGUFUnsupportedError
+
+__all__ = ["GGUFFile", "TensorInfo", "open"]
+
+SUPPORTED_VERSIONS = (2, 3)
+MAX_ARRAY_DEPTH = 8  # nested arrays are legal GGUF; bound the recursion a crafted file could ask for
+SMALL_ARRAY = 64  # numeric arrays longer than this are returned as NumPy arrays
+
+# Scalar value types: (struct format, NumPy dtype). BOOL is one byte that must be 0 or 1.
+_SCALARS: dict[GGUFValueType, tuple[struct.Struct, np.dtype]] = {
+    GGUFValueType.UINT8: (struct.Struct("<B"), np.dtype("<u1")),
+    GGUFValueType.INT8: (struct.Struct("<b"), np.dtype("<i1")),
+    GGUFValueType.UINT16: (struct.Struct("<H"), np.dtype("<u2")),
+    GGUFValueType.INT16: (struct.Struct("<h"), np.dtype("<i2")),
+    GGUFValueType.UINT32: (struct.Struct("<I"), np.dtype("<u4")),
+    GGUFValueType.INT32: (struct.Struct("<i"), np.dtype("<i4")),
+    GGUFValueType.FLOAT32: (struct.Struct("<f"), np.dtype("<f4")),
+    GGUFValueType.BOOL: (struct.Struct("<B"), np.dtype("<u1")),
+    GGUFValueType.UINT64: (struct.Struct("<Q"), np.dtype("<u8")),
+    GGUFValueType.INT64: (struct.Struct("<q"), np.dtype("<i8")),
+    GGUFValueType.FLOAT64: (struct.Struct("<d"), np.dtype("<f8")),
+}
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+_SPLIT_NAME = re.compile(r"^(?P<prefix>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor's description. `shape` is in NumPy order (GGUF stores dims innermost first)."""
+
+    name: str
+    type: GGMLType
+    shape: tuple[int, ...]
+    offset: int  # absolute byte offset of the data in its file
+    nbytes: int
+    part: int = 0  # index of the split file holding the data
+
+    @property
+    def n_elements(self) -> int:
+        return int(np.prod(self.shape, dtype=object))
+
+
+class _Cursor:
+    """Sequential reads from the header bytes, each checked against the end of the file."""
+
+    def __init__(self, buf: mmap.mmap, path: str):
+        self.buf = buf
+        self.size = len(buf)
+        self.path = path
+        self.pos = 0
+
+    def fail(self, field: str, rule: str, at: int | None = None) -> GGUFFormatError:
+        return GGUFFormatError(f"{self.path}: {field} at offset {self.pos if at is None else at}: {rule}")
+
+    def need(self, n: int, field: str) -> None:
+        if n > self.size - self.pos:
+            raise self.fail(field, f"needs {n} bytes but the file has {self.size - self.pos} left (truncated)")
+
+    def u32(self, field: str) -> int:
+        self.need(4, field)
+        (v,) = _U32.unpack_from(self.buf, self.pos)
+        self.pos += 4
+        return v
+
+    def u64(self, field: str) -> int:
+        self.need(8, field)
+        (v,) = _U64.unpack_from(self.buf, self.pos)
+        self.pos += 8
+        return v
+
+    def string(self, field: str) -> str:
+        start = self.pos
+        n = self.u64(f"{field} length")
+        if n > self.size - self.pos:
+            raise self.fail(field, f"string length {n} runs past the end of the file", at=start)
+        raw = self.buf[self.pos : self.pos + n]
+        self.pos += n
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise self.fail(field, f"string is not valid UTF-8 ({e.reason} at byte {e.start})", at=start) from None
+
+    def scalar(self, vtype: GGUFValueType, field: str) -> Any:
+        fmt, _ = _SCALARS[vtype]
+        self.need(fmt.size, field)
+        (v,) = fmt.unpack_from(self.buf, self.pos)
+        if vtype == GGUFValueType.BOOL:
+            if v > 1:
+                raise self.fail(field, f"bool byte is {v}, must be 0 or 1")
+            v = bool(v)
+        self.pos += fmt.size
+        return v
+
+    def value_type(self, field: str) -> GGUFValueType:
+        at = self.pos
+        t = self.u32(field)
+        try:
+            return GGUFValueType(t)
+        except ValueError:
+            raise self.fail(field, f"unknown value type {t} (valid: 0..12)", at=at) from None
+
+    def value(self, vtype: GGUFValueType, field: str, depth: int = 0) -> Any:
+        if vtype == GGUFValueType.STRING:
+            return self.string(field)
+        if vtype == GGUFValueType.ARRAY:
+            return self.array(field, depth + 1)
+        return self.scalar(vtype, field)
+
+    def array(self, field: str, depth: int) -> Any:
+        if depth > MAX_ARRAY_DEPTH:
+            raise self.fail(field, f"arrays nested deeper than {MAX_ARRAY_DEPTH} levels")
+        etype = self.value_type(f"{field} element type")
+        at = self.pos
+        count = self.u64(f"{field} count")
+        # Every element takes at least this many bytes: a count that cannot fit is refused before any allocation.
+        min_size = {GGUFValueType.STRING: 8, GGUFValueType.ARRAY: 12}.get(etype) or _SCALARS[etype][0].size
+        if count > (self.size - self.pos) // min_size:
+            raise self.fail(
+                f"{field} count", f"{count} elements of {etype.name} cannot fit in the bytes left in the file", at=at
+            )
+        if etype == GGUFValueType.STRING:
+            return self.string_array(count, field)
+        if etype == GGUFValueType.ARRAY:
+            return [self.array(f"{field}[{i}]", depth + 1) for i in range(count)]
+        dtype = _SCALARS[etype][1]
+        arr = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos).copy()
+        self.pos += count * dtype.itemsize
+        if etype == GGUFValueType.BOOL:
+            if count and arr.max() > 1:
+                raise self.fail(field, "bool array holds a byte other than 0 or 1")
+            arr = arr.astype(bool)
+        if count <= SMALL_ARRAY:
+            return arr.tolist()
+        arr.flags.writeable = False
+        return arr
+
+    def string_array(self, count: int, field: str) -> list[str]:
+        # The hot loop for vocabularies (262k strings): locals only, one bounds check per element.
+        buf, pos, end = self.buf, self.pos, self.size
+        unpack = _U64.unpack_from
+        out: list[Any] = [None] * count
+        for i in range(count):
+            if pos + 8 > end:
+                self.pos = pos
+                raise self.fail(f"{field}[{i}] length", "truncated")
+            (n,) = unpack(buf, pos)
+            pos += 8
+            if n > end - pos:
+                self.pos = pos - 8
+                raise self.fail(f"{field}[{i}]", f"string length {n} runs past the end of the file")
+            out[i] = buf[pos : pos + n]
+            pos += n
+        start, self.pos = self.pos, pos
+        try:
+            return [b.decode("utf-8") for b in out]
+        except UnicodeDecodeError:
+            bad = next(i for i, b in enumerate(out) if not _is_utf8(b))
+            raise self.fail(f"{field}[{bad}]", "string is not valid UTF-8", at=start) from None
+
+
+def _is_utf8(b: bytes) -> bool:
+    try:
+        b.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _align(offset: int, alignment: int) -> int:
+    return offset + (-offset) % alignment
+
+
+class _Part:
+    """One parsed GGUF file: its map, metadata and tensor infos (absolute offsets)."""
+
+    def __init__(self, path: Path, index: int = 0):
+        self.path = path
+        with path.open("rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size == 0:
+                raise GGUFFormatError(f"{path}: file is empty (a GGUF file starts with the magic 'GGUF')")
+            self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        try:
+            self._parse(index)
+        except BaseException:
+            self.map.close()
+            raise
+
+    def _parse(self, index: int) -> None:
+        c = _Cursor(self.map, str(self.path))
+        magic = c.u32("magic")
+        if magic != GGUF_MAGIC:
+            raise GGUFFormatError(
+                f"{self.path}: magic at offset 0: expected b'GGUF', found {magic.to_bytes(4, 'little')!r}"
+                " (not a GGUF file)"
+            )
+        version = c.u32("version")
+        if version & 0xFFFF == 0 and version != 0:
+            raise GGUFUnsupportedError(
+                f"{self.path}: version at offset 4 reads as {version:#010x}: this is a big-endian GGUF file, "
+                "which ggufpy does not support (convert it to little-endian with gguf-py)"
+            )
+        if version not in SUPPORTED_VERSIONS:
+            raise GGUFUnsupportedError(
+                f"{self.path}: version at offset 4 is {version}: ggufpy reads GGUF versions 2 and 3"
+                + (" (version 1 used 32-bit counts and is obsolete; re-convert the model)" if version == 1 else "")
+            )
+        self.version = version
+        n_tensors = c.u64("tensor count")
+        n_kv = c.u64("metadata kv count")
+        # Minimum record sizes: a kv is >= 8+1+4+1 bytes, a tensor info >= 8+1+4+8+4+8 bytes.
+        if n_kv > (c.size - c.pos) // 14:
+            raise c.fail("metadata kv count", f"{n_kv} key-value pairs cannot fit in a {c.size}-byte file", at=16)
+        if n_tensors > (c.size - c.pos) // 33:
+            raise c.fail("tensor count", f"{n_tensors} tensor infos cannot fit in a {c.size}-byte file", at=8)
+
+        self.metadata: dict[str, Any] = {}
+        self.value_types: dict[str, GGUFValueType] = {}
+        for i in range(n_kv):
+            at = c.pos
+            key = c.string(f"metadata key #{i}")
+            if not key:
+                raise c.fail(f"metadata key #{i}", "key is empty", at=at)
+            if key in self.metadata:
+                raise c.fail(f"metadata key {key!r}", "duplicate key", at=at)
+            vtype = c.value_type(f"metadata {key!r} value type")
+            self.metadata[key] = c.value(vtype, f"metadata {key!r}")
+            self.value_types[key] = vtype
+
+        self.alignment = GGUF_DEFAULT_ALIGNMENT
+        if "general.alignment" in self.metadata:
+            a, t = self.metadata["general.alignment"], self.value_types["general.alignment"]
+            if t != GGUFValueType.UINT32 or a <= 0 or a & (a - 1):
+                raise GGUFFormatError(
+                    f"{self.path}: metadata 'general.alignment' is {a!r} ({t.name}): it must be a UINT32 power of two"
+                )
+            self.alignment = a
+
+        infos = [self._tensor_info(c, i) for i in range(n_tensors)]
+        self.data_offset = _align(c.pos, self.alignment)
+        if self.data_offset > c.size and n_tensors:
+            raise c.fail("tensor data", f"data section would start at {self.data_offset}, past the end of the file")
+        self.tensors: dict[str, TensorInfo] = {}
+        for name, dtype, shape, rel, nbytes, at in infos:
+            if name in self.tensors:
+                raise c.fail(f"tensor {name!r}", "duplicate tensor name", at=at)
+            if rel % self.alignment:
+                raise c.fail(
+                    f"tensor {name!r} offset", f"{rel} is not a multiple of the alignment {self.alignment}", at
+                )
+            if rel + nbytes > c.size - self.data_offset:
+                raise c.fail(
+                    f"tensor {name!r} data",
+                    f"bytes [{rel}, {rel + nbytes}) of the data section run past the end of the file "
+                    f"({c.size - self.data_offset} data bytes)",
+                    at=at,
+                )
+            self.tensors[name] = TensorInfo(name, dtype, shape, self.data_offset + rel, nbytes, index)
+        by_offset = sorted(self.tensors.values(), key=lambda t: t.offset)
+        for a, b in pairwise(by_offset):
+            if b.offset < a.offset + a.nbytes:
+                raise GGUFFormatError(f"{self.path}: tensor {b.name!r} data overlaps tensor {a.name!r}")
+
+    def _tensor_info(self, c: _Cursor, i: int) -> tuple:
+        at = c.pos
+        name = c.string(f"tensor #{i} name")
+        field = f"tensor {name!r}"
+        if not name or len(name.encode()) >= GGML_MAX_NAME:
+            raise c.fail(f"tensor #{i} name", f"name must be 1..{GGML_MAX_NAME - 1} bytes, got {name!r}", at=at)
+        n_dims = c.u32(f"{field} n_dims")
+        if not 1 <= n_dims <= GGML_MAX_DIMS:
+            raise c.fail(f"{field} n_dims", f"{n_dims} is outside 1..{GGML_MAX_DIMS}", at=c.pos - 4)
+        ne = [c.u64(f"{field} dim {d}") for d in range(n_dims)]
+        n_elements = 1
+        for d in ne:
+            n_elements *= d
+        if 0 in ne or n_elements >= 2**63:
+            raise c.fail(f"{field} dims", f"{ne} must all be >= 1 with a product below 2**63", at=at)
+        type_at = c.pos
+        t = c.u32(f"{field} type")
+        try:
+            dtype = GGMLType(t)
+        except ValueError:
+            raise c.fail(f"{field} type", f"unknown GGML type id {t}", at=type_at) from None
+        block, type_size = GGML_BLOCK_LAYOUT[dtype]
+        if ne[0] % block:
+            raise c.fail(
+                f"{field} dims", f"row length {ne[0]} is not a multiple of {dtype.name}'s block size {block}", at
+            )
+        rel = c.u64(f"{field} offset")
+        return name, dtype, tuple(reversed(ne)), rel, n_elements // block * type_size, at
+
+    def close(self) -> None:
+        try:
+            self.map.close()
+        except BufferError:
+            pass  # views handed out by raw() still point into the map; it closes when they are gone
+
+
+class GGUFFile(Mapping[str, TensorInfo]):
+    """An open GGUF model (one file, or every part of a split model). Use as a context manager.
+
+    `metadata` maps keys to plain values; `tensors` maps names to `TensorInfo` in file order.
+    The mapping interface (`file[name]`, `iter(file)`) is over the tensors.
+    """
+
+    def __init__(self, parts: list[_Part]):
+        self._parts = parts
+        first = parts[0]
+        self.path = first.path
+        self.version = first.version
+        self.alignment = first.alignment
+        self.metadata: dict[str, Any] = dict(first.metadata)
+        self.value_types = dict(first.value_types)
+        self.tensors: dict[str, TensorInfo] = {}
+        for part in parts:
+            for name, info in part.tensors.items():
+                if name in self.tensors:
+                    raise GGUFFormatError(f"{part.path}: tensor {name!r} also appears in an earlier split part")
+                self.tensors[name] = info
+
+    # Mapping over tensors
+    def __getitem__(self, name: str) -> TensorInfo:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise KeyError(f"{self.path}: no tensor named {name!r}") from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    @property
+    def architecture(self) -> str | None:
+        return self.metadata.get("general.architecture")
+
+    @property
+    def paths(self) -> list[Path]:
+        return [p.path for p in self._parts]
+
+    def raw(self, name: str) -> np.ndarray:
+        """The tensor's bytes as a read-only uint8 view into the map (no copy)."""
+        info = self[name]
+        return np.frombuffer(self._parts[info.part].map, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+
+    def dequantize(self, name: str) -> np.ndarray:
+        """The tensor as float32 in its NumPy shape (a new array)."""
+        from .quants import dequantize
+
+        info = self[name]
+        return dequantize(self.raw(name), info.type, info.shape)
+
+    def close(self) -> None:
+        for part in self._parts:
+            part.close()
+
+    def __enter__(self) -> GGUFFile:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"GGUFFile({str(self.path)!r}, version={self.version}, tensors={len(self.tensors)})"
+
+
+def _split_paths(path: Path, count: int) -> list[Path]:
+    m = _SPLIT_NAME.match(path.name)
+    if not m:
+        raise GGUFFormatError(
+            f"{path}: metadata 'split.count' is {count} but the file name does not follow "
+            "'<prefix>-00001-of-0000N.gguf', so the other parts cannot be found"
+        )
+    return [path.with_name(f"{m['prefix']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+
+
+def open(path: str | os.PathLike) -> GGUFFile:
+    """Open a GGUF file. Opening any part of a split model opens the whole model."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such GGUF file")
+    first = _Part(path)
+    count = first.metadata.get("split.count", 1)
+    if not isinstance(count, int) or count < 1 or count > 0xFFFF:
+        first.close()
+        raise GGUFFormatError(f"{path}: metadata 'split.count' is {count!r}: must be an integer in 1..65535")
+    if count == 1:
+        return GGUFFile([first])
+
+    parts: list[_Part] = []
+    try:
+        paths = _split_paths(path, count)
+        for i, p in enumerate(paths):
+            if p == path and i == first.metadata.get("split.no"):
+                part = first
+                # re-index the first-opened part's tensors to its place in the split
+                part.tensors = {n: _reindex(t, i) for n, t in part.tensors.items()}
+            else:
+                if not p.is_file():
+                    raise GGUFFormatError(f"{path}: split part {i + 1} of {count} is missing: {p}")
+                part = _Part(p, i)
+            no = part.metadata.get("split.no")
+            if no != i:
+                raise GGUFFormatError(f"{p}: metadata 'split.no' is {no!r}, expected {i} for this part's file name")
+            parts.append(part)
+        if first not in parts:
+            first.close()
+        model = GGUFFile(parts)
+        expected = parts[0].metadata.get("split.tensors.count")
+        if expected is not None and expected != len(model.tensors):
+            raise GGUFFormatError(
+                f"{path}: metadata 'split.tensors.count' is {expected} but the parts hold {len(model.tensors)} tensors"
+            )
+        return model
+    except BaseException:
+        for p in [*parts, first]:
+            p.close()
+        raise
+
+
+def _reindex(info: TensorInfo, part: int) -> TensorInfo:
+    return TensorInfo(info.name, info.type, info.shape, info.offset, info.nbytes, part)
