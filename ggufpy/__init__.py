@@ -2,7 +2,9 @@
 
 from .constants import GGMLType, GGUFValueType
 from .errors import GGUFError, GGUFFormatError, GGUFUnsupportedError
+from .loading import load
 from .reader import GGUFFile, TensorInfo, open
+from .transformer import Model
 
 __version__ = "0.1.0"
 
@@ -13,7 +15,9 @@ __all__ = [
     "GGUFFormatError",
     "GGUFUnsupportedError",
     "GGUFValueType",
+    "Model",
     "TensorInfo",
     "__version__",
+    "load",
     "open",
 ]

