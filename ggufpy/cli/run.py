@@ -54,10 +54,11 @@ def sampling_params(args: argparse.Namespace, default_temp: float):
     )
 
 
-def stream(model, prompt_ids, args, sampling, out=sys.stdout):
+def stream(model, prompt_ids, args, sampling, out=None):
     """Generate, writing text as it comes; returns the `GenerationResult`."""
     from ..generation import generate
 
+    out = out or sys.stdout
     gen = generate(model, model.tokenizer, prompt_ids, max_tokens=args.max_tokens, sampling=sampling, stop=args.stop)
     for chunk in gen:
         out.write(chunk.text)
