@@ -1,8 +1,8 @@
 """Architecture registry: one `ArchSpec` record per GGUF `general.architecture`.
 
 Differences between architectures are data, read by the forward pass; there is no per-architecture
-model class. llama.cpp's equivalents live in `src/llama-model.cpp` (`llama_model_rope_type`, the per-arch
-graph builders).
+model class. llama.cpp's equivalents live in `src/llama-model.cpp` (`llama_model_rope_type`, the hparams
+loaders) and `src/models/<arch>.cpp` (the graph builders).
 """
 
 from __future__ import annotations
@@ -23,10 +23,16 @@ class ArchSpec:
     rope_style: Literal["norm", "neox"] = "norm"
     activation: Literal["silu", "gelu_tanh"] = "silu"
     qkv_bias: bool = False  # attn_q/k/v carry a bias (qwen2)
-    qk_norm: bool = False  # RMSNorm on each head of Q and K before RoPE (qwen3, gemma3)
-    post_norms: bool = False  # extra norms after attention and after the FFN (gemma2/3)
-    embed_scale: bool = False  # multiply token embeddings by sqrt(dim) (gemma)
+    qk_norm: bool = False  # RMSNorm over each head of Q and K before RoPE (qwen3, gemma3)
+    post_norms: bool = False  # RMSNorm on the attention and FFN outputs before the residual add (gemma2/3)
+    embed_scale: bool = False  # token embeddings times sqrt(dim) (gemma)
     tied_output: bool = True  # without `output.weight`, the head reuses `token_embd.weight`
+    # Sliding-window attention: every `swa_pattern`-th layer is global, the others see only the last
+    # `attention.sliding_window` positions (llama.cpp `hparams.set_swa_pattern`); 0 = all global.
+    swa_pattern: int = 0
+    rope_theta_swa: float | None = None  # local layers' RoPE base when it differs (gemma3: 10000)
+    # Softcaps read from metadata when the architecture has them (gemma2 only; gemma3 with SWA has none).
+    softcaps: bool = False
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {
@@ -34,6 +40,28 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     for spec in [
         # SmolLM2, Llama 2 / 3, Mistral and TinyLlama all convert to `llama`.
         ArchSpec("llama"),
+        ArchSpec("qwen2", rope_style="neox", qkv_bias=True),
+        ArchSpec("qwen3", rope_style="neox", qk_norm=True),
+        ArchSpec("gemma", rope_style="neox", activation="gelu_tanh", embed_scale=True),
+        ArchSpec(
+            "gemma2",
+            rope_style="neox",
+            activation="gelu_tanh",
+            embed_scale=True,
+            post_norms=True,
+            swa_pattern=2,
+            softcaps=True,
+        ),
+        ArchSpec(
+            "gemma3",
+            rope_style="neox",
+            activation="gelu_tanh",
+            embed_scale=True,
+            post_norms=True,
+            qk_norm=True,
+            swa_pattern=6,
+            rope_theta_swa=10000.0,
+        ),
     ]
 }
 

@@ -29,6 +29,23 @@ class ModelConfig:
     rope_theta: float  # rope.freq_base; 10000 when absent (llama.cpp default)
     rope_dim: int  # rope.dimension_count: how many dims of each head are rotated (defaults to head_dim)
     rope_freq_scale: float = 1.0  # 1 / rope.scaling.factor for linear scaling (llama.cpp `freq_scale`)
+    sliding_window: int | None = None  # attention.sliding_window, for the local layers of `arch.swa_pattern`
+    attn_softcap: float | None = None  # attn_logit_softcapping (gemma2)
+    final_softcap: float | None = None  # final_logit_softcapping (gemma2)
+
+    def is_local(self, layer: int) -> bool:
+        """Whether `layer` uses sliding-window attention (llama.cpp `set_swa_pattern`: il % n < n - 1)."""
+        n = self.arch.swa_pattern
+        return self.sliding_window is not None and n > 0 and layer % n < n - 1
+
+    def window(self, layer: int) -> int | None:
+        return self.sliding_window if self.is_local(layer) else None
+
+    def rope(self, layer: int) -> tuple[float, float]:
+        """(theta, freq_scale) of `layer`: local layers of gemma3 use their own base and no scaling."""
+        if self.is_local(layer) and self.arch.rope_theta_swa is not None:
+            return self.arch.rope_theta_swa, 1.0
+        return self.rope_theta, self.rope_freq_scale
 
     @property
     def q_dim(self) -> int:
@@ -80,4 +97,7 @@ def config_from_metadata(md: Mapping[str, Any], vocab_size: int) -> ModelConfig:
         rope_theta=_get(md, f"{a}.rope.freq_base", float, 10000.0),
         rope_dim=_get(md, f"{a}.rope.dimension_count", int, head_dim),
         rope_freq_scale=1.0 / factor if factor else 1.0,
+        sliding_window=_get(md, f"{a}.attention.sliding_window", int, None) if spec.swa_pattern else None,
+        attn_softcap=_get(md, f"{a}.attn_logit_softcapping", float, None) if spec.softcaps else None,
+        final_softcap=_get(md, f"{a}.final_logit_softcapping", float, None) if spec.softcaps else None,
     )

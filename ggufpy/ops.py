@@ -59,22 +59,46 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     return e / np.sum(e, axis=axis, keepdims=True)
 
 
-def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, scale: float) -> np.ndarray:
+def attention(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    start: int,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> np.ndarray:
     """Causal grouped-query attention of T new queries over S cached positions.
 
     q: (T, H, E) for positions start..start+T-1; k, v: (S, G, E) for positions 0..S-1. Returns (T, H*E).
+    `window`: a query at position p sees only keys at p-window < position <= p (llama.cpp's
+    LLAMA_SWA_TYPE_STANDARD). `softcap`: scores become softcap * tanh(scores / softcap) (gemma2).
     """
     T, H, E = q.shape
     S, G, _ = k.shape
     qg = q.reshape(T, G, H // G, E).transpose(1, 2, 0, 3)  # (G, H/G, T, E)
     kt = k.transpose(1, 2, 0)[:, None]  # (G, 1, E, S)
     scores = (qg @ kt) * np.float32(scale)  # (G, H/G, T, S)
-    # query t (absolute position start+t) sees keys 0..start+t
-    future = np.arange(S)[None, :] > (start + np.arange(T))[:, None]  # (T, S)
-    scores = np.where(future, np.float32(-np.inf), scores)
+    if softcap:
+        scores = apply_softcap(scores, softcap)
+    scores = np.where(attention_mask(start, T, S, window), np.float32(-np.inf), scores)
     probs = softmax(scores)
     out = probs @ v.transpose(1, 0, 2)[:, None]  # (G, H/G, T, E)
     return out.transpose(2, 0, 1, 3).reshape(T, H * E)
+
+
+def attention_mask(start: int, T: int, S: int, window: int | None = None) -> np.ndarray:
+    """True where query t (at position start+t) must not see key position s: (T, S)."""
+    distance = (start + np.arange(T))[:, None] - np.arange(S)[None, :]  # query position - key position
+    masked = distance < 0
+    if window is not None:
+        masked |= distance >= window
+    return masked
+
+
+def apply_softcap(x: np.ndarray, cap: float) -> np.ndarray:
+    """cap * tanh(x / cap): squashes logits smoothly into (-cap, cap) (gemma2's attention and final logits)."""
+    return np.float32(cap) * np.tanh(x / np.float32(cap))
 
 
 def silu(x: np.ndarray) -> np.ndarray:

@@ -88,11 +88,12 @@ class Model:
         cache.check(pos, T)
 
         positions = np.arange(pos, pos + T)
-        cos, sin = ops.rope_angles(
-            positions, cfg.rope_dim, cfg.rope_theta, cfg.rope_freq_scale, self.weights.rope_freqs
-        )
+        angles = {}  # (theta, freq_scale) -> (cos, sin), each (T, R/2): local and global layers may differ
         for i in layers:
-            h = self.block(h, i, pos, cos, sin, cache, trace)
+            rope = cfg.rope(i)
+            if rope not in angles:
+                angles[rope] = self.numerics.rope_angles(positions, cfg.rope_dim, *rope, self.weights.rope_freqs)
+            h = self.block(h, i, pos, *angles[rope], cache, trace)
         cache.advance(pos + T)
 
         if layers.stop < cfg.n_layers:
@@ -102,6 +103,8 @@ class Model:
         h = ops.rms_norm(h, self.weights.output_norm, cfg.norm_eps)
         _record(trace, "result_norm", h)
         logits = self.backend.linear(h, self.weights.output)  # (T, V)
+        if cfg.final_softcap:
+            logits = ops.apply_softcap(logits, cfg.final_softcap)
         _record(trace, "result_output", logits)
         return logits
 
@@ -122,30 +125,49 @@ class Model:
         return h
 
     def block(self, h, i: int, pos: int, cos, sin, cache: KVCache, trace=None) -> np.ndarray:
-        """One pre-norm transformer block: h + attention(norm(h)), then + feed_forward(norm(.))."""
+        """One pre-norm transformer block: h + attention(norm(h)), then + feed_forward(norm(.)).
+
+        Optional steps, per ArchSpec: Q/K/V biases, per-head Q/K norms, norms on each branch's output.
+        """
         cfg, w, lin = self.config, self.weights.layers[i], self.backend.linear
         T = h.shape[0]
 
         x = ops.rms_norm(h, w.attn_norm, cfg.norm_eps)
         _record(trace, f"attn_norm-{i}", x)
-        q = lin(x, w.attn_q).reshape(T, cfg.n_heads, cfg.head_dim)  # (T, H, E)
-        k = lin(x, w.attn_k).reshape(T, cfg.n_kv_heads, cfg.head_dim)  # (T, G, E)
-        v = lin(x, w.attn_v).reshape(T, cfg.n_kv_heads, cfg.head_dim)  # (T, G, E)
+        q, k, v = lin(x, w.attn_q), lin(x, w.attn_k), lin(x, w.attn_v)  # (T, Q), (T, K), (T, K)
+        if w.attn_q_bias is not None:
+            q, k, v = q + w.attn_q_bias, k + w.attn_k_bias, v + w.attn_v_bias
+        q = q.reshape(T, cfg.n_heads, cfg.head_dim)  # (T, H, E)
+        k = k.reshape(T, cfg.n_kv_heads, cfg.head_dim)  # (T, G, E)
+        v = v.reshape(T, cfg.n_kv_heads, cfg.head_dim)  # (T, G, E)
+        if w.attn_q_norm is not None:
+            q = ops.rms_norm(q, w.attn_q_norm, cfg.norm_eps)
+            k = ops.rms_norm(k, w.attn_k_norm, cfg.norm_eps)
         q = ops.rope(q, cos, sin, cfg.arch.rope_style)
         k = ops.rope(k, cos, sin, cfg.arch.rope_style)
         _record(trace, f"Qcur-{i}", q)
         _record(trace, f"Kcur-{i}", k)
         _record(trace, f"Vcur-{i}", v)
         keys, values = cache.update(i, pos, k, v)  # (S, G, E) each
-        attn = self.numerics.attention(q, keys, values, pos, 1.0 / np.sqrt(cfg.head_dim))  # (T, H*E)
+        extra = {}  # only architectures that need them pass these, so numerics modes may ignore them otherwise
+        if cfg.window(i) is not None:
+            extra["window"] = cfg.window(i)
+        if cfg.attn_softcap:
+            extra["softcap"] = cfg.attn_softcap
+        attn = self.numerics.attention(q, keys, values, pos, 1.0 / np.sqrt(cfg.head_dim), **extra)  # (T, H*E)
         _record(trace, f"kqv_out-{i}", attn)
-        h = h + lin(attn, w.attn_output)
+        out = lin(attn, w.attn_output)  # (T, D)
+        if w.post_attention_norm is not None:
+            out = ops.rms_norm(out, w.post_attention_norm, cfg.norm_eps)
+        h = h + out
         _record(trace, f"ffn_inp-{i}", h)
 
         x = ops.rms_norm(h, w.ffn_norm, cfg.norm_eps)
         _record(trace, f"ffn_norm-{i}", x)
         ffn = self.feed_forward(x, w)
         _record(trace, f"ffn_out-{i}", ffn)
+        if w.post_ffw_norm is not None:
+            ffn = ops.rms_norm(ffn, w.post_ffw_norm, cfg.norm_eps)
         h = h + ffn
         _record(trace, f"l_out-{i}", h)
         return h

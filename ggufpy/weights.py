@@ -60,6 +60,14 @@ class LayerWeights:
     ffn_gate: QuantTensor  # (F, D)
     ffn_up: QuantTensor  # (F, D)
     ffn_down: QuantTensor  # (D, F)
+    # present only where the ArchSpec asks for them
+    attn_q_bias: np.ndarray | None = None  # (Q,)  qwen2
+    attn_k_bias: np.ndarray | None = None  # (K,)
+    attn_v_bias: np.ndarray | None = None  # (K,)
+    attn_q_norm: np.ndarray | None = None  # (E,)  qwen3, gemma3
+    attn_k_norm: np.ndarray | None = None  # (E,)
+    post_attention_norm: np.ndarray | None = None  # (D,)  gemma2/3
+    post_ffw_norm: np.ndarray | None = None  # (D,)
 
 
 @dataclass(frozen=True, eq=False)
@@ -89,9 +97,27 @@ def vector(f: GGUFFile, name: str, size: int) -> np.ndarray:
 def load_weights(f: GGUFFile, cfg: ModelConfig, layers: range) -> Weights:
     """Map the tensors of `layers` (plus embeddings and head) without reading their data."""
     D, Q, K, F, V = cfg.dim, cfg.q_dim, cfg.kv_dim, cfg.hidden_dim, cfg.vocab_size
+    arch = cfg.arch
     blocks = {}
     for i in layers:
         p = f"blk.{i}."
+        extra = {}
+        if arch.qkv_bias:
+            extra.update(
+                attn_q_bias=vector(f, p + "attn_q.bias", Q),
+                attn_k_bias=vector(f, p + "attn_k.bias", K),
+                attn_v_bias=vector(f, p + "attn_v.bias", K),
+            )
+        if arch.qk_norm:
+            E = cfg.head_dim
+            extra.update(
+                attn_q_norm=vector(f, p + "attn_q_norm.weight", E), attn_k_norm=vector(f, p + "attn_k_norm.weight", E)
+            )
+        if arch.post_norms:
+            extra.update(
+                post_attention_norm=vector(f, p + "post_attention_norm.weight", D),
+                post_ffw_norm=vector(f, p + "post_ffw_norm.weight", D),
+            )
         blocks[i] = LayerWeights(
             attn_norm=vector(f, p + "attn_norm.weight", D),
             attn_q=tensor(f, p + "attn_q.weight", (Q, D)),
@@ -102,6 +128,7 @@ def load_weights(f: GGUFFile, cfg: ModelConfig, layers: range) -> Weights:
             ffn_gate=tensor(f, p + "ffn_gate.weight", (F, D)),
             ffn_up=tensor(f, p + "ffn_up.weight", (F, D)),
             ffn_down=tensor(f, p + "ffn_down.weight", (D, F)),
+            **extra,
         )
     token_embd = tensor(f, "token_embd.weight", (V, D))
     output = None
