@@ -4,6 +4,7 @@ from .constants import GGMLType, GGUFValueType
 from .errors import GGUFError, GGUFFormatError, GGUFUnsupportedError
 from .loading import load
 from .reader import GGUFFile, TensorInfo, open
+from .tokenizer import Tokenizer, load_tokenizer
 from .transformer import Model
 
 __version__ = "0.1.0"
@@ -17,7 +18,9 @@ __all__ = [
     "GGUFValueType",
     "Model",
     "TensorInfo",
+    "Tokenizer",
     "__version__",
     "load",
+    "load_tokenizer",
     "open",
 ]

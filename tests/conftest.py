@@ -17,7 +17,7 @@ def tiny_llama_path(tmp_path_factory):
 def tiny_llama(tiny_llama_path):
     import ggufpy
 
-    return ggufpy.load(tiny_llama_path, tokenizer=False)
+    return ggufpy.load(tiny_llama_path)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,35 @@
+"""GGUF tokenizers that give llama.cpp's token ids, built from the file's metadata with HF `tokenizers` parts.
+
+- `vocab.py`: the vocabulary, special ids, token attributes and end-of-generation set (llama.cpp's loader)
+- `pretokenizers.py`: the `tokenizer.ggml.pre` table of regex splits
+- `bpe.py`: byte-level BPE (`tokenizer.ggml.model == "gpt2"`)
+- `spm.py`: SentencePiece-style BPE (`tokenizer.ggml.model == "llama"`)
+- `tokenizer.py`: `Tokenizer` (special-token partition, encode, decode)
+"""
+
+from __future__ import annotations
+
+import os
+
+from .pretokenizers import PRE_TOKENIZERS, PreTokenizer
+from .tokenizer import Tokenizer
+from .vocab import TokenAttr, TokenType, Vocab, build_vocab
+
+__all__ = [
+    "PRE_TOKENIZERS",
+    "PreTokenizer",
+    "TokenAttr",
+    "TokenType",
+    "Tokenizer",
+    "Vocab",
+    "build_vocab",
+    "load_tokenizer",
+]
+
+
+def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
+    """The tokenizer of the GGUF file at `path`, read from its metadata only (no tensor is touched)."""
+    from .. import open as open_gguf  # ggufpy.open; imported here so ggufpy can import this package
+
+    with open_gguf(path) as f:
+        return Tokenizer.from_metadata(f.metadata)
