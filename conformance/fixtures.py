@@ -2,18 +2,26 @@
 
 llama.cpp loads them too, which makes them conformance fixtures as well as fast unit-test models.
 The vocabulary is a small GPT-2-style byte-level BPE: the 256 byte tokens, a few merges and specials.
+
+`FIXTURES` is the conformance catalogue: one model per quant type llama.cpp can multiply by, plus mixes
+like real quantizations. Types without a ggufpy quantizer (the k-quants, IQ4_NL, IQ4_XS) are quantized
+with ggml's own C quantizer (`ggml_quantize_chunk`, what `llama-quantize` runs) when the fixtures are
+built, so building needs llama-cpp-python; the built files are committed under `conformance/fixtures/`
+with their sha256 in `conformance/fixtures/manifest.json`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import hashlib
+import json
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import gguf
 import numpy as np
 
 from ggufpy.constants import GGMLType
-from ggufpy.quants import quantize
+from ggufpy.quants import quant_type, quantize
 
 ROLES = ("embd", "output", "attn", "ffn")
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -53,8 +61,12 @@ class TinyLlama:
     tied_output: bool = False
     rope_freqs: bool = False
     seed: int = 0
-    # GGML type per tensor role: "embd", "output", "attn", "ffn"; norms are always F32
+    # GGML type per tensor role: "embd", "output", "attn", "ffn"; norms are always F32. A key naming a tensor
+    # ("blk.0.attn_v") or a tensor kind ("attn_v", "ffn_down") overrides its role, as llama.cpp's mixes do.
     types: dict[str, GGMLType] = field(default_factory=lambda: dict.fromkeys(ROLES, GGMLType.F32))
+    # logits' scale: the output head (or, when tied, the embeddings) gets std logit_std / sqrt(dim), so the
+    # logits have a std of about logit_std. None keeps std 1/sqrt(dim) for `output`, 1 for `token_embd`.
+    logit_std: float | None = None
 
     @property
     def head_dim(self) -> int:
@@ -106,14 +118,16 @@ def write_tiny_llama(path: str | Path, spec: TinyLlama = TinyLlama()) -> Path:
             w.add_tensor(name, data)
             return
         data = (rng.standard_normal(shape) * (scale or 1.0 / np.sqrt(shape[-1]))).astype(np.float32)
-        qtype = spec.types[role]
+        stem = name.removesuffix(".weight")
+        qtype = spec.types.get(stem, spec.types.get(stem.split(".")[-1], spec.types[role]))
         if qtype == GGMLType.F32:
             w.add_tensor(name, data)
         else:
-            raw = quantize(data, qtype)
+            raw = _quantize(data, qtype)
             w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=gguf.GGMLQuantizationType(int(qtype)))
 
-    add("token_embd.weight", (V, D), "embd", scale=1.0)
+    head_scale = None if spec.logit_std is None else spec.logit_std / np.sqrt(D)
+    add("token_embd.weight", (V, D), "embd", scale=(head_scale if spec.tied_output else None) or 1.0)
     for i in range(spec.n_layers):
         p = f"blk.{i}."
         add(p + "attn_norm.weight", (D,), None)
@@ -127,7 +141,7 @@ def write_tiny_llama(path: str | Path, spec: TinyLlama = TinyLlama()) -> Path:
         add(p + "ffn_down.weight", (D, F), "ffn")
     add("output_norm.weight", (D,), None)
     if not spec.tied_output:
-        add("output.weight", (V, D), "output")
+        add("output.weight", (V, D), "output", scale=head_scale)
     if spec.rope_freqs:
         w.add_tensor("rope_freqs.weight", (1.0 + rng.random(spec.head_dim // 2) * 3).astype(np.float32))
 
@@ -136,3 +150,91 @@ def write_tiny_llama(path: str | Path, spec: TinyLlama = TinyLlama()) -> Path:
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def _quantize(data: np.ndarray, qtype: GGMLType) -> np.ndarray:
+    """ggufpy's reference quantizer, or ggml's C quantizer for the types ggufpy cannot quantize."""
+    if quant_type(qtype).quantize_blocks is not None:
+        return quantize(data, qtype)
+    from .llamacpp import available, ggml_quantize
+
+    if not available():
+        raise RuntimeError(
+            f"writing {GGMLType(qtype).name} tensors needs ggml's quantizer: pip install 'ggufpy[conformance]'"
+        )
+    return ggml_quantize(data, qtype)
+
+
+# -- the conformance catalogue -----------------------------------------------------------------------------------
+
+FIXTURE_DIR = Path(__file__).parent / "fixtures"
+MANIFEST = FIXTURE_DIR / "manifest.json"
+
+T = GGMLType
+# Shapes per block size, as small as the blocks allow (the committed files stay under 5 MB together):
+# float types take any row, 32-element types need rows of 32k, the k-quants and IQ4_XS rows of 256k.
+FLOAT = TinyLlama(dim=32, hidden_dim=64, n_layers=3, n_heads=2, n_kv_heads=1, tied_output=True, logit_std=4.0)
+SMALL = TinyLlama(dim=64, hidden_dim=128, n_layers=3, n_heads=4, n_kv_heads=2, tied_output=True, logit_std=4.0)
+WIDE = TinyLlama(dim=256, hidden_dim=256, n_layers=2, n_heads=4, n_kv_heads=1, tied_output=True, logit_std=4.0)
+
+
+def _uniform(t: GGMLType) -> dict[str, GGMLType]:
+    return dict.fromkeys(ROLES, t)
+
+
+def _pure(t: GGMLType, seed: int) -> TinyLlama:
+    base = {1: FLOAT, 32: SMALL, 256: WIDE}[quant_type(t).block_size]
+    return replace(base, types=_uniform(t), seed=seed)
+
+
+# name -> spec. One fixture per weight type llama.cpp multiplies by (every registered type but the activation
+# formats Q8_1 and Q8_K, which llama.cpp cannot use as weights: no vec_dot, and get_rows of Q8_K aborts in
+# ggml-cpu/ops.cpp), then mixes: llama.cpp's Q4_K_M recipe on a 2-layer model (Q6_K output, attn_v and
+# ffn_down of layer 0; Q4_K elsewhere) and SmolLM2's (Q4_1 layers, tied Q8_0 embeddings).
+FIXTURES: dict[str, TinyLlama] = {
+    **{t.name.lower(): _pure(t, seed=100 + int(t)) for t in (T.F32, T.F16, T.BF16)},
+    **{t.name.lower(): _pure(t, seed=100 + int(t)) for t in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.IQ4_NL)},
+    **{t.name.lower(): _pure(t, seed=100 + int(t)) for t in (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS)},
+    "q4_k_m": replace(
+        WIDE,
+        tied_output=False,
+        seed=300,
+        types={**_uniform(T.Q4_K), "output": T.Q6_K, "blk.0.attn_v": T.Q6_K, "blk.0.ffn_down": T.Q6_K},
+    ),
+    "smollm2_mix": replace(SMALL, seed=301, types={**_uniform(T.Q4_1), "embd": T.Q8_0}),
+}
+
+
+def fixture_path(name: str) -> Path:
+    return FIXTURE_DIR / f"{name}.gguf"
+
+
+def sha256(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def weight_types(spec: TinyLlama) -> list[str]:
+    """The GGML types a fixture stores its weights in, most used first."""
+    return sorted({t.name for t in spec.types.values()}, key=lambda n: -list(spec.types.values()).count(T[n]))
+
+
+def build_fixtures(names: list[str] | None = None, directory: Path = FIXTURE_DIR) -> dict[str, dict]:
+    """Write the fixtures `names` (default: all) into `directory` and update its manifest.json."""
+    directory.mkdir(parents=True, exist_ok=True)
+    manifest_path = directory / "manifest.json"
+    manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
+    for name in names or list(FIXTURES):
+        spec = FIXTURES[name]
+        path = write_tiny_llama(directory / f"{name}.gguf", spec)
+        manifest[name] = {"file": path.name, "sha256": sha256(path), "bytes": path.stat().st_size}
+        manifest[name]["types"] = weight_types(spec)
+    manifest_path.write_text(json.dumps(dict(sorted(manifest.items())), indent=1) + "\n")
+    return manifest
+
+
+def load_manifest() -> dict[str, dict]:
+    return json.loads(MANIFEST.read_text()) if MANIFEST.exists() else {}

@@ -6,11 +6,13 @@ dequantized weights in a bounded cache; the numba kernels (`ggufpy/kernels/`) co
 
 from __future__ import annotations
 
+import sys
 from typing import Protocol
 
 import numpy as np
 
 from .numerics import NUMERICS, Numerics
+from .quants import vecdot
 from .weights import QuantTensor
 
 DEFAULT_CACHE_BYTES = 256 << 20
@@ -34,28 +36,47 @@ class NumpyBackend:
     name = "numpy"
 
     def __init__(self, numerics: Numerics = NUMERICS["exact"], cache_bytes: int = DEFAULT_CACHE_BYTES):
-        if numerics.quantize_activations:
-            raise NotImplementedError(f"the numpy backend does not implement numerics {numerics.name!r} yet")
         self.numerics = numerics
         self.cache_bytes = cache_bytes
-        self._cache: dict[QuantTensor, np.ndarray] = {}  # keyed by identity (QuantTensor has eq=False)
+        self._cache: dict[tuple[QuantTensor, str], np.ndarray] = {}  # by identity (QuantTensor has eq=False)
         self._used = 0
 
     def dense(self, w: QuantTensor) -> np.ndarray:
-        hit = self._cache.get(w)
+        return self._cached(w, "dense", w.dequantize)  # (out, in)
+
+    def _cached(self, w: QuantTensor, kind: str, make):
+        hit = self._cache.get((w, kind))
         if hit is not None:
             return hit
-        dense = w.dequantize()  # (out, in)
-        if self._used + dense.nbytes <= self.cache_bytes:
-            self._cache[w] = dense
-            self._used += dense.nbytes
-        return dense
+        value = make()
+        if self._used + value.nbytes <= self.cache_bytes:
+            self._cache[w, kind] = value
+            self._used += value.nbytes
+        return value
 
     def linear(self, x: np.ndarray, w: QuantTensor) -> np.ndarray:
+        if self.numerics.quantize_activations:  # llama.cpp's CPU matmul: activations in the vec_dot type
+            return vecdot.linear(x, self._cached(w, "split", lambda: vecdot.split_weight(w.raw, w.type, w.shape)))
         return x @ self.dense(w).T
 
 
-BACKENDS = {"numpy": NumpyBackend}
+def _numba_backend(**options) -> Backend:
+    from .kernels import NumbaBackend  # imported on demand: ImportError naming the cause without numba
+
+    return NumbaBackend(**options)
+
+
+BACKENDS = {"numpy": NumpyBackend, "numba": _numba_backend}
+
+
+def default_backend() -> str:
+    """"numba" when numba imports, else "numpy" (saying so on stderr)."""
+    from .kernels import AVAILABLE, IMPORT_ERROR
+
+    if AVAILABLE:
+        return "numba"
+    print(f"ggufpy: numba unavailable ({IMPORT_ERROR}); using the NumPy backend", file=sys.stderr)
+    return "numpy"
 
 
 def make_backend(name: str, **options) -> Backend:

@@ -1,18 +1,29 @@
 """Numerics modes: how much of llama.cpp's arithmetic the forward pass reproduces.
 
-`exact` dequantizes weights and computes in float32: the teaching reference. Further modes (llama.cpp's
-activation quantization, f16 KV cache, its rounding points) plug in here as records, and the forward
-pass and the backends read only these fields.
+`exact` dequantizes weights and computes in float32: the teaching reference.
+
+`llamacpp` follows ggml's CPU backend as llama.cpp runs it with flash attention off and an f16 KV cache
+(the configuration of `conformance/llamacpp.py` SETTINGS; docs/conformance.md):
+- every matmul quantizes its activations to the weight's vec_dot type and forms block dot products
+  (`ggufpy.quants.vecdot`; the backend reads `quantize_activations`);
+- K and V are stored as f16 (`kv_dtype`);
+- RoPE angles are built like `ggml_rope_cache_init`: theta_scale = powf(base, -2/n_dims), theta multiplied
+  by it pair after pair in f32 (`rope_angles_ggml`);
+- attention rounds where ggml's does (`attention_ggml`);
+- GELU is ggml's fp16 table (`gelu_tanh_ggml`, GGML_GELU_FP16).
+The forward pass and the backends read only these fields.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from . import ops
+from .quants.vecdot import round_f16
 
 
 @dataclass(frozen=True)
@@ -22,9 +33,104 @@ class Numerics:
     rope_angles: Callable = ops.rope_angles  # (positions, rope_dim, theta, freq_scale, freq_factors) -> cos, sin
     attention: Callable = ops.attention  # (q, k, v, start, scale) -> (T, H*E)
     quantize_activations: bool = False  # round activations to each weight type's vec_dot type (ggml-cpu.c)
+    activations: dict[str, Callable] = field(default_factory=lambda: dict(ops.ACTIVATIONS))  # by ArchSpec name
 
 
-NUMERICS: dict[str, Numerics] = {"exact": Numerics("exact", np.dtype(np.float32))}
+def rope_angles_ggml(
+    positions: np.ndarray, rope_dim: int, theta: float, freq_scale: float = 1.0, freq_factors: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin (T, R/2) as ggml computes them (ggml-cpu/ops.cpp `ggml_rope_cache_init`, `rope_yarn`).
+
+    theta_scale = powf(freq_base, -2.0f/n_dims); pair i's angle is pos * theta_scale^i built by repeated f32
+    multiplication, divided by freq_factors[i], times freq_scale; then cosf/sinf (no YaRN: ext_factor 0,
+    mscale 1). A float64 theta^(-2i/R) differs from this by up to ~1e-5 rad at position 100.
+    """
+    exponent = np.float32(-2.0) / np.float32(rope_dim)
+    theta_scale = np.float32(np.float64(np.float32(theta)) ** np.float64(exponent))  # powf, correctly rounded
+    t = np.asarray(positions).astype(np.float32)  # (T,)
+    angles = np.empty((t.shape[0], rope_dim // 2), np.float32)  # (T, R/2)
+    for i in range(rope_dim // 2):
+        angles[:, i] = t
+        t = t * theta_scale
+    if freq_factors is not None:
+        angles = angles / np.asarray(freq_factors, np.float32)
+    angles = np.float32(freq_scale) * angles
+    a64 = angles.astype(np.float64)  # cosf/sinf of an f32 argument, rounded once
+    return np.cos(a64).astype(np.float32), np.sin(a64).astype(np.float32)
+
+
+def attention_ggml(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    start: int,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> np.ndarray:
+    """llama.cpp's attention without flash attention (src/llama-graph.cpp `build_attn_mha`), shapes as
+    `ops.attention`: q (T, H, E); k, v (S, G, E) read from the f16 cache.
+
+    kq = mul_mat(K, Q): K is f16, so Q is rounded to f16 (F16's vec_dot type) and the exact products are
+    summed (ggml in f32; here exactly, in f64, and rounded once, as in `vecdot.linear`). soft_max_ext
+    (ops.cpp `ggml_compute_forward_soft_max_f32`): kq * scale in f32, masked entries -inf, exp(x - max) in
+    f32 summed in double, times (float)(1/sum). kqv = mul_mat(V, kq): the probabilities are rounded to f16
+    and their products with f16 V summed likewise.
+    """
+    T, H, E = q.shape
+    S, G, _ = k.shape
+    f64 = np.float64
+    q16 = round_f16(q).astype(f64).reshape(T, G, H // G, E).transpose(1, 2, 0, 3)  # (G, H/G, T, E)
+    k16 = round_f16(k).astype(f64).transpose(1, 2, 0)[:, None]  # (G, 1, E, S)
+    v16 = round_f16(v).astype(f64).transpose(1, 0, 2)[:, None]  # (G, 1, S, E)
+    scores = (q16 @ k16).astype(np.float32) * np.float32(scale)  # (G, H/G, T, S)
+    if softcap:
+        scores = np.float32(softcap) * np.tanh(scores / np.float32(softcap))
+    distance = (start + np.arange(T))[:, None] - np.arange(S)[None, :]  # query position - key position (T, S)
+    masked = distance < 0
+    if window is not None:
+        masked |= distance >= window
+    scores = np.where(masked, np.float32(-np.inf), scores)
+    e = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    inv = (1.0 / e.sum(axis=-1, keepdims=True, dtype=np.float64)).astype(np.float32)
+    probs = round_f16(e * inv)
+    out = (probs.astype(f64) @ v16).astype(np.float32)  # (G, H/G, T, E)
+    return out.transpose(2, 0, 1, 3).reshape(T, H * E)
+
+
+@functools.cache
+def _gelu_table() -> np.ndarray:
+    """`ggml_table_gelu_f16` (ggml-cpu.c `ggml_cpu_init`): fp16(ggml_gelu_f32(x)) for every fp16 bit pattern x,
+    with ggml_gelu_f32 = 0.5f*x*(1.0f + tanhf(SQRT_2_OVER_PI*x*(1.0f + GELU_COEF_A*x*x))) evaluated in f32 as
+    the compiled C does (the inner 1 + (A*x)*x contracted to an FMA). Equal to ggml's table on every finite entry."""
+    x = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
+    f32 = np.float32
+    with np.errstate(all="ignore"):
+        inner = ((f32(0.044715) * x).astype(np.float64) * x + 1.0).astype(np.float32)  # fmaf(A*x, x, 1)
+        th = np.tanh((f32(0.79788456080286535587989211986876) * x * inner).astype(np.float64)).astype(np.float32)
+        return (f32(0.5) * x * (f32(1.0) + th)).astype(np.float16)
+
+
+def gelu_tanh_ggml(x: np.ndarray) -> np.ndarray:
+    """ggml's GELU (vec.h `ggml_vec_gelu_f32` with GGML_GELU_FP16, always defined): x <= -10 gives 0, x >= 10
+    gives x, anything between is rounded to fp16 and looked up in the fp16 table of the tanh approximation."""
+    x = np.asarray(x, np.float32)
+    with np.errstate(over="ignore"):
+        looked_up = _gelu_table()[x.astype(np.float16).view(np.uint16)].astype(np.float32)
+    return np.where(x <= -10, np.float32(0), np.where(x >= 10, x, looked_up))
+
+
+NUMERICS: dict[str, Numerics] = {
+    "exact": Numerics("exact", np.dtype(np.float32)),
+    "llamacpp": Numerics(
+        "llamacpp",
+        np.dtype(np.float16),
+        rope_angles=rope_angles_ggml,
+        attention=attention_ggml,
+        quantize_activations=True,
+        activations={**ops.ACTIVATIONS, "gelu_tanh": gelu_tanh_ggml},
+    ),
+}
 
 
 def numerics_mode(name: str) -> Numerics:

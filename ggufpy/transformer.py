@@ -174,7 +174,7 @@ class Model:
 
     def feed_forward(self, x: np.ndarray, w: LayerWeights) -> np.ndarray:
         """Gated feed-forward: down(act(gate(x)) * up(x))."""
-        act = ops.ACTIVATIONS[self.config.arch.activation]
+        act = self.numerics.activations[self.config.arch.activation]
         lin = self.backend.linear
         return lin(act(lin(x, w.ffn_gate)) * lin(x, w.ffn_up), w.ffn_down)
 
