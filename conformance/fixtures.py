@@ -1,5 +1,10 @@
 """Deterministic tiny synthetic GGUF models (random but well-scaled weights) written with gguf.GGUFWriter.
 
+Any architecture of ggufpy's registry (`ggufpy.arch.ARCHITECTURES`) can be written: `TinyLlama.arch` picks it,
+and the writer adds the tensors and metadata llama.cpp's loader (`src/llama-model.cpp`) requires for it: Q/K/V
+biases (qwen2), per-head Q/K norms (qwen3, gemma3), post-attention/post-FFN norms (gemma2/3), the sliding
+window and softcaps (gemma2/3). Gemma files are always tied (llama.cpp duplicates `token_embd` for the head).
+
 llama.cpp loads them too, which makes them conformance fixtures as well as fast unit-test models.
 The vocabulary is a small GPT-2-style byte-level BPE: the 256 byte tokens, a few merges and specials.
 
@@ -20,6 +25,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from ggufpy.arch import arch_spec
 from ggufpy.constants import GGMLType
 from ggufpy.quants import quant_type, quantize
 
@@ -48,7 +54,8 @@ def byte_level_tokens() -> list[str]:
 
 @dataclass(frozen=True)
 class TinyLlama:
-    """Hyperparameters of a synthetic llama-architecture model. Defaults fit every block size (256)."""
+    """Hyperparameters of a synthetic model (llama architecture unless `arch` says otherwise). Defaults fit
+    every block size (256)."""
 
     dim: int = 256
     hidden_dim: int = 512
@@ -67,10 +74,15 @@ class TinyLlama:
     # logits' scale: the output head (or, when tied, the embeddings) gets std logit_std / sqrt(dim), so the
     # logits have a std of about logit_std. None keeps std 1/sqrt(dim) for `output`, 1 for `token_embd`.
     logit_std: float | None = None
+    arch: str = "llama"  # general.architecture: any name of ggufpy.arch.ARCHITECTURES
+    key_length: int | None = None  # attention.key_length/value_length (head size) when not dim / n_heads
+    sliding_window: int | None = None  # attention.sliding_window (gemma2/3: the local layers' window)
+    attn_softcap: float | None = None  # attn_logit_softcapping (gemma2)
+    final_softcap: float | None = None  # final_logit_softcapping (gemma2)
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.key_length or self.dim // self.n_heads
 
 
 def _tokens() -> tuple[list[str], list[int]]:
@@ -86,11 +98,14 @@ def write_tiny_llama(path: str | Path, spec: TinyLlama = TinyLlama()) -> Path:
     path = Path(path)
     rng = np.random.default_rng(spec.seed)
     tokens, token_types = _tokens()
-    V, D, F = len(tokens), spec.dim, spec.hidden_dim
+    V, D, F, E = len(tokens), spec.dim, spec.hidden_dim, spec.head_dim
     Q, K = spec.n_heads * spec.head_dim, spec.n_kv_heads * spec.head_dim
+    a = arch_spec(spec.arch)
+    if a.name.startswith("gemma") and not spec.tied_output:
+        raise ValueError(f"{a.name}: llama.cpp always ties the output head to token_embd")
 
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_name("tiny-llama-synthetic")
+    w = gguf.GGUFWriter(str(path), a.name)
+    w.add_name(f"tiny-{a.name}-synthetic")
     w.add_context_length(spec.context_length)
     w.add_embedding_length(D)
     w.add_block_count(spec.n_layers)
@@ -100,6 +115,15 @@ def write_tiny_llama(path: str | Path, spec: TinyLlama = TinyLlama()) -> Path:
     w.add_rope_dimension_count(spec.head_dim)
     w.add_rope_freq_base(spec.rope_theta)
     w.add_layer_norm_rms_eps(spec.norm_eps)
+    if spec.key_length is not None:
+        w.add_key_length(spec.key_length)
+        w.add_value_length(spec.key_length)
+    if spec.sliding_window is not None:
+        w.add_sliding_window(spec.sliding_window)
+    if spec.attn_softcap is not None:
+        w.add_attn_logit_softcapping(spec.attn_softcap)
+    if spec.final_softcap is not None:
+        w.add_final_logit_softcapping(spec.final_softcap)
     w.add_vocab_size(V)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
@@ -117,6 +141,9 @@ def write_tiny_llama(path: str | Path, spec: TinyLlama = TinyLlama()) -> Path:
             data = (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
             w.add_tensor(name, data)
             return
+        if role == "bias":  # always F32, as converted models store them
+            w.add_tensor(name, (0.5 * rng.standard_normal(shape)).astype(np.float32))
+            return
         data = (rng.standard_normal(shape) * (scale or 1.0 / np.sqrt(shape[-1]))).astype(np.float32)
         stem = name.removesuffix(".weight")
         qtype = spec.types.get(stem, spec.types.get(stem.split(".")[-1], spec.types[role]))
@@ -131,14 +158,22 @@ def write_tiny_llama(path: str | Path, spec: TinyLlama = TinyLlama()) -> Path:
     for i in range(spec.n_layers):
         p = f"blk.{i}."
         add(p + "attn_norm.weight", (D,), None)
-        add(p + "attn_q.weight", (Q, D), "attn")
-        add(p + "attn_k.weight", (K, D), "attn")
-        add(p + "attn_v.weight", (K, D), "attn")
+        for proj, rows in (("q", Q), ("k", K), ("v", K)):
+            add(p + f"attn_{proj}.weight", (rows, D), "attn")
+            if a.qkv_bias:
+                add(p + f"attn_{proj}.bias", (rows,), "bias")
+        if a.qk_norm:
+            add(p + "attn_q_norm.weight", (E,), None)
+            add(p + "attn_k_norm.weight", (E,), None)
         add(p + "attn_output.weight", (D, Q), "attn")
+        if a.post_norms:
+            add(p + "post_attention_norm.weight", (D,), None)
         add(p + "ffn_norm.weight", (D,), None)
         add(p + "ffn_gate.weight", (F, D), "ffn")
         add(p + "ffn_up.weight", (F, D), "ffn")
         add(p + "ffn_down.weight", (D, F), "ffn")
+        if a.post_norms:
+            add(p + "post_ffw_norm.weight", (D,), None)
     add("output_norm.weight", (D,), None)
     if not spec.tied_output:
         add("output.weight", (V, D), "output", scale=head_scale)
@@ -178,6 +213,23 @@ SMALL = TinyLlama(dim=64, hidden_dim=128, n_layers=3, n_heads=4, n_kv_heads=2, t
 WIDE = TinyLlama(dim=256, hidden_dim=256, n_layers=2, n_heads=4, n_kv_heads=1, tied_output=True, logit_std=4.0)
 
 
+# One F32 fixture per architecture besides llama: each architecture's own tensors and metadata, 2 layers
+# (gemma3 needs 6 for a global layer), heads of 24 where the real models' head size is not dim / n_heads (Qwen3,
+# Gemma), a sliding window of 32 < the 128-token prompt on gemma2/3's local layers (layer 0 of gemma2; layers
+# 0-4 of gemma3, with RoPE base 10000 there against 1e6 on layer 5), and active softcaps on gemma2 (the
+# attention scores reach about +-10 and the logits +-15).
+_ARCH = replace(FLOAT, n_layers=2, hidden_dim=32)
+ARCH_FIXTURES: dict[str, TinyLlama] = {
+    "qwen2": replace(_ARCH, arch="qwen2", seed=400, rope_theta=1e6),
+    "qwen3": replace(_ARCH, arch="qwen3", seed=401, key_length=24, rope_theta=1e6),
+    "gemma": replace(_ARCH, arch="gemma", seed=402, key_length=24),
+    "gemma2": replace(
+        _ARCH, arch="gemma2", seed=403, key_length=24, sliding_window=32, attn_softcap=5.0, final_softcap=8.0
+    ),
+    "gemma3": replace(_ARCH, arch="gemma3", seed=404, n_layers=6, sliding_window=32, rope_theta=1e6),
+}
+
+
 def _uniform(t: GGMLType) -> dict[str, GGMLType]:
     return dict.fromkeys(ROLES, t)
 
@@ -202,6 +254,7 @@ FIXTURES: dict[str, TinyLlama] = {
         types={**_uniform(T.Q4_K), "output": T.Q6_K, "blk.0.attn_v": T.Q6_K, "blk.0.ffn_down": T.Q6_K},
     ),
     "smollm2_mix": replace(SMALL, seed=301, types={**_uniform(T.Q4_1), "embd": T.Q8_0}),
+    **{f"{arch}_f32": spec for arch, spec in ARCH_FIXTURES.items()},
 }
 
 

@@ -26,6 +26,10 @@ class ArchSpec:
     qk_norm: bool = False  # RMSNorm over each head of Q and K before RoPE (qwen3, gemma3)
     post_norms: bool = False  # RMSNorm on the attention and FFN outputs before the residual add (gemma2/3)
     embed_scale: bool = False  # token embeddings times sqrt(dim) (gemma)
+    # Q is multiplied by the attention scale (f32) before the KQ matmul, which then runs unscaled (gemma*:
+    # llama.cpp `ggml_scale(Qcur, 1/sqrt(n_embd_head))`, `kq_scale` 1). Same maths; in llamacpp numerics it
+    # moves the scale before Q's f16 rounding, as ggml does.
+    scale_q: bool = False
     tied_output: bool = True  # without `output.weight`, the head reuses `token_embd.weight`
     # Sliding-window attention: every `swa_pattern`-th layer is global, the others see only the last
     # `attention.sliding_window` positions (llama.cpp `hparams.set_swa_pattern`); 0 = all global.
@@ -42,12 +46,13 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         ArchSpec("llama"),
         ArchSpec("qwen2", rope_style="neox", qkv_bias=True),
         ArchSpec("qwen3", rope_style="neox", qk_norm=True),
-        ArchSpec("gemma", rope_style="neox", activation="gelu_tanh", embed_scale=True),
+        ArchSpec("gemma", rope_style="neox", activation="gelu_tanh", embed_scale=True, scale_q=True),
         ArchSpec(
             "gemma2",
             rope_style="neox",
             activation="gelu_tanh",
             embed_scale=True,
+            scale_q=True,
             post_norms=True,
             swa_pattern=2,
             softcaps=True,
@@ -57,6 +62,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
             rope_style="neox",
             activation="gelu_tanh",
             embed_scale=True,
+            scale_q=True,
             post_norms=True,
             qk_norm=True,
             swa_pattern=6,

@@ -154,7 +154,10 @@ class Model:
             extra["window"] = cfg.window(i)
         if cfg.attn_softcap:
             extra["softcap"] = cfg.attn_softcap
-        attn = self.numerics.attention(q, keys, values, pos, 1.0 / np.sqrt(cfg.head_dim), **extra)  # (T, H*E)
+        scale = 1.0 / np.sqrt(cfg.head_dim)
+        if cfg.arch.scale_q:  # gemma: Q scaled in f32 before the KQ product (and its f16 rounding in llamacpp)
+            q, scale = q * (np.float32(1.0) / np.sqrt(np.float32(cfg.head_dim))), 1.0  # 1.0f / sqrtf(E)
+        attn = self.numerics.attention(q, keys, values, pos, scale, **extra)  # (T, H*E)
         _record(trace, f"kqv_out-{i}", attn)
         out = lin(attn, w.attn_output)  # (T, D)
         if w.post_attention_norm is not None:

@@ -18,8 +18,9 @@ import pytest
 
 from conformance import fixtures as fx
 from conformance.compare import GOLDEN_DIR, MODES, Reference, failures, golden_names, nmse
-from conformance.record import REAL_MODELS, fixture_tokens
+from conformance.record import FIXTURE_TOKENS, REAL_MODELS, fixture_tokens
 from conformance.report import evaluate, format_table, uncovered_types, write_docs
+from ggufpy.arch import ARCHITECTURES
 from ggufpy.constants import GGMLType
 from ggufpy.quants import QUANT_TYPES
 from ggufpy.quants.vecdot import VEC_DOT_TYPE
@@ -68,6 +69,21 @@ def test_every_registered_quant_type_is_covered():
     assert covered == {t.name for t in VEC_DOT_TYPE}
     assert set(uncovered_types([{"types": sorted(covered)}])) == {"Q8_1", "Q8_K"}
     assert {t.name for t in QUANT_TYPES} == covered | {"Q8_1", "Q8_K"}
+
+
+def test_every_registered_architecture_is_covered_and_its_features_exercised():
+    """One fixture per architecture; sliding windows shorter than the prompt with a global layer after the local
+    ones, softcaps that bite (gemma2's logits reach the final cap), head sizes other than dim / n_heads."""
+    assert {spec.arch for spec in fx.FIXTURES.values()} == set(ARCHITECTURES)
+    for name, spec in fx.FIXTURES.items():
+        arch = ARCHITECTURES[spec.arch]
+        if arch.swa_pattern:
+            assert spec.sliding_window < FIXTURE_TOKENS and spec.n_layers >= arch.swa_pattern, name
+        if arch.softcaps:
+            assert spec.attn_softcap and spec.final_softcap, name
+            logits = Reference.load(name).logits.full
+            assert 0.95 * spec.final_softcap < np.abs(logits).max() < spec.final_softcap
+    assert any(s.head_dim != s.dim // s.n_heads for s in fx.ARCH_FIXTURES.values())
 
 
 @pytest.mark.parametrize(
