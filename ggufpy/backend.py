@@ -70,7 +70,7 @@ BACKENDS = {"numpy": NumpyBackend, "numba": _numba_backend}
 
 
 def default_backend() -> str:
-    """"numba" when numba imports, else "numpy" (saying so on stderr)."""
+    """The backend to use by default: "numba" when numba imports, else "numpy" (saying so on stderr)."""
     from .kernels import AVAILABLE, IMPORT_ERROR
 
     if AVAILABLE:

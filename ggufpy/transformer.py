@@ -157,7 +157,9 @@ class Model:
         scale = 1.0 / np.sqrt(cfg.head_dim)
         if cfg.arch.scale_q:  # gemma: Q scaled in f32 before the KQ product (and its f16 rounding in llamacpp)
             q, scale = q * (np.float32(1.0) / np.sqrt(np.float32(cfg.head_dim))), 1.0  # 1.0f / sqrtf(E)
-        attn = self.numerics.attention(q, keys, values, pos, scale, **extra)  # (T, H*E)
+        # a backend may compute attention itself (numba); it defers to the numerics mode where that is not exact
+        attention = getattr(self.backend, "attention", None) or self.numerics.attention
+        attn = attention(q, keys, values, pos, scale, **extra)  # (T, H*E)
         _record(trace, f"kqv_out-{i}", attn)
         out = lin(attn, w.attn_output)  # (T, D)
         if w.post_attention_norm is not None:

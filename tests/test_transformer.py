@@ -95,7 +95,7 @@ def test_unknown_architecture_lists_supported(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ggufpy.GGUFError, match="'mamba9' is not supported; supported architectures: .*llama"):
+    with pytest.raises(ggufpy.GGUFError, match=r"'mamba9' is not supported; supported architectures: .*llama"):
         ggufpy.load(tmp_path / "x.gguf")
 
 

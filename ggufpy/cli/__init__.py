@@ -15,7 +15,7 @@ import sys
 from .. import __version__
 from ..errors import GGUFError
 
-COMMANDS = ["inspect", "run", "chat", "trace"]
+COMMANDS = ["inspect", "run", "chat", "trace", "bench"]
 
 EXIT_ERROR = 2  # the same code argparse uses for a bad command line
 

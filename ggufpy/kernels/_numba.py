@@ -1,0 +1,139 @@
+"""The only module that imports numba: compilation options and thread control for every kernel.
+
+Kernels are compiled lazily on first call and cached on disk (`cache=True`, in `__pycache__` next to the
+source, or `NUMBA_CACHE_DIR`). With `NUMBA_DISABLE_JIT=1` the same functions run as plain Python (`prange`
+becomes `range`), which the test suite uses on small shapes.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numba
+import numpy as np
+from numba import prange
+
+__all__ = ["DISABLED", "default_threads", "get_threads", "half_to_float", "jit", "prange", "set_threads", "use_threads"]
+
+DISABLED = bool(numba.config.DISABLE_JIT)
+
+# `reassoc` lets LLVM vectorize float reductions and `contract` fuse multiply-adds. Unlike fastmath=True it
+# keeps NaN and inf semantics, so a NaN weight still poisons its output row as in the reference.
+FAST = frozenset({"reassoc", "contract", "nsz"})
+
+
+def jit(fn=None, *, parallel: bool = False, fast: bool = False, inline: bool = False):
+    """`numba.njit` with ggufpy's options: on-disk cache, no GIL, NumPy error model (no ZeroDivisionError
+    checks in inner loops). `fast` allows reassociation (reductions), which kernels that must be bit-exact
+    (dequantization, activation quantization) do not use."""
+
+    def wrap(f):
+        options = {"cache": True, "nogil": True, "error_model": "numpy"}
+        if parallel:
+            options["parallel"] = True
+        if fast:
+            options["fastmath"] = set(FAST)
+        if inline:
+            options["inline"] = "always"
+        return numba.njit(**options)(f)
+
+    return wrap if fn is None else wrap(fn)
+
+
+def _thread_count_intrinsics():
+    """The threading layer's C `get_num_threads()` and `set_num_threads(int)`, called by symbol name.
+    `numba.set_num_threads` inside a kernel goes through a ctypes pointer, which makes it uncacheable."""
+    from llvmlite import ir
+    from numba.core import cgutils, types
+    from numba.extending import intrinsic
+    from numba.np.ufunc.parallel import _launch_threads
+
+    @intrinsic
+    def get_count(typingctx):
+        _launch_threads()  # registers the symbols
+
+        def codegen(context, builder, signature, args):
+            # declared as numba's parfor lowering declares it (returning intp); the C function returns an int
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(cgutils.intp_t, []), "get_num_threads")
+            return builder.sext(builder.trunc(builder.call(fn, []), ir.IntType(32)), ir.IntType(64))
+
+        return types.int64(), codegen
+
+    @intrinsic
+    def set_count(typingctx, n):
+        _launch_threads()
+
+        def codegen(context, builder, signature, args):
+            fnty = ir.FunctionType(ir.VoidType(), [ir.IntType(32)])
+            fn = cgutils.get_or_insert_function(builder.module, fnty, "set_num_threads")
+            builder.call(fn, [builder.trunc(args[0], ir.IntType(32))])
+            return context.get_dummy_value()
+
+        return types.void(types.int64), codegen
+
+    return get_count, set_count
+
+
+def _half_to_float_intrinsic():
+    from llvmlite import ir
+    from numba.core import types
+    from numba.extending import intrinsic
+
+    @intrinsic
+    def half_bits_to_float(typingctx, bits):
+        """fp16 bits (uint16) -> float32 as LLVM `fpext half`: one `vcvtph2ps` per vector on F16C CPUs."""
+
+        def codegen(context, builder, signature, args):
+            return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+        return types.float32(types.uint16), codegen
+
+    return half_bits_to_float
+
+
+if DISABLED:
+
+    def half_to_float(bits):
+        """fp16 bits -> float32 (exact)."""
+        return np.uint16(bits).view(np.float16).astype(np.float32)
+
+    def use_threads(n: int) -> int:
+        previous = numba.get_num_threads()
+        numba.set_num_threads(n)
+        return previous
+
+else:
+    _get_count, _set_count = _thread_count_intrinsics()
+    _half_bits_to_float = _half_to_float_intrinsic()
+
+    @numba.njit(cache=True, nogil=True, inline="always")
+    def half_to_float(bits):
+        """fp16 bits (uint16) -> float32, exactly (inf and NaN included)."""
+        return _half_bits_to_float(np.uint16(bits))
+
+    @numba.njit(cache=True, nogil=True, inline="always")
+    def use_threads(n):
+        """Inside a kernel: run its parallel loops on n threads; returns the count to restore afterwards
+        (numba's count is a per-thread setting that outlives the call)."""
+        previous = _get_count()
+        _set_count(n)
+        return previous
+
+
+def default_threads() -> int:
+    """The cores this process may run on (the affinity mask, not the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def set_threads(n: int | None) -> int:
+    """Use `n` threads in parallel kernels (None: `default_threads()`, capped by numba's pool size)."""
+    n = min(max(1, n or default_threads()), numba.config.NUMBA_NUM_THREADS)
+    numba.set_num_threads(n)
+    return n
+
+
+def get_threads() -> int:
+    return numba.get_num_threads()

@@ -1,0 +1,106 @@
+"""Causal grouped-query attention over the KV cache, one parallel task per (query, head).
+
+Same contract as `ggufpy.ops.attention` (exact numerics): q (T, H, E) at positions start..start+T-1, k and v
+(S, G, E) for positions 0..S-1, optional sliding `window` and logit `softcap`; returns (T, H*E). NumPy's
+version goes through batched BLAS calls whose worker threads fight numba's for the cores during decode; this
+one computes each head's scores, softmax and weighted sum of V in one pass over the visible keys only.
+Results equal the NumPy ones up to f32 summation order.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ._numba import get_threads, jit, prange, use_threads
+
+__all__ = ["attention", "exp_nonpositive"]
+
+_LOG2E = np.float32(1.4426950408889634)
+_LN2_HI = np.float32(0.693359375)  # ln 2 split in two (Cody-Waite), so n * ln2_hi is exact
+_LN2_LO = np.float32(-2.12194440e-4)
+
+
+@jit(inline=True)
+def exp_nonpositive(x):
+    """exp(x) for f32 x <= 0 to a relative error below 3e-7 (a few ulp), as plain arithmetic that LLVM can
+    vectorize (libm's expf is a call per element): x = n ln2 + r with |r| <= ln2/2, exp(r) by its degree-6
+    Taylor polynomial, times 2^n built from the exponent bits. Results below 2^-126 flush to 0, which a
+    softmax cannot tell apart."""
+    x = max(x, np.float32(-104.0))  # also maps -inf to a value that flushes to 0
+    n = np.floor(x * _LOG2E + np.float32(0.5))
+    r = x - n * _LN2_HI - n * _LN2_LO
+    p = np.float32(1.0 / 720.0)
+    p = p * r + np.float32(1.0 / 120.0)
+    p = p * r + np.float32(1.0 / 24.0)
+    p = p * r + np.float32(1.0 / 6.0)
+    p = p * r + np.float32(0.5)
+    p = p * r + np.float32(1.0)
+    p = p * r + np.float32(1.0)
+    e = np.int32(n) + np.int32(127)
+    scale = np.int32(max(e, np.int32(0)) << 23).view(np.float32)  # 2^n, or 0 below the normal range
+    return p * scale
+
+
+@jit(parallel=True, fast=True)
+def _attention(nt, q, k, v, start, scale, window, softcap, out):
+    previous = use_threads(nt)
+    T, H, E = q.shape
+    S, G, _ = k.shape
+    per_group = H // G
+    for i in prange(T * H):
+        t = i // H
+        h = i % H
+        g = h // per_group
+        pos = start + t
+        lo = max(0, pos - window + 1) if window > 0 else 0  # keys lo..hi-1 are visible
+        hi = min(S, pos + 1)
+        scores = np.empty(max(hi - lo, 0), np.float32)
+        peak = np.float32(-np.inf)
+        for s in range(lo, hi):
+            acc = np.float32(0.0)
+            for e in range(E):
+                acc += q[t, h, e] * k[s, g, e]
+            acc *= scale
+            if softcap > 0:
+                acc = softcap * np.tanh(acc / softcap)
+            scores[s - lo] = acc
+            peak = max(peak, acc)
+        total = np.float32(0.0)
+        for j in range(hi - lo):
+            scores[j] = exp_nonpositive(scores[j] - peak)
+            total += scores[j]
+        for e in range(E):
+            out[t, h, e] = 0.0
+        for s in range(lo, hi):
+            p = scores[s - lo] / total
+            for e in range(E):
+                out[t, h, e] += p * v[s, g, e]
+    use_threads(previous)
+
+
+def attention(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    start: int,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+    threads: int = 0,
+) -> np.ndarray:
+    """`ops.attention` as a numba kernel: (T, H, E) queries over (S, G, E) keys and values -> (T, H*E), on
+    `threads` threads (0: numba's current count)."""
+    T, H, E = q.shape
+    out = np.empty((T, H, E), np.float32)
+    _attention(
+        threads or get_threads(),
+        np.ascontiguousarray(q, np.float32),
+        np.ascontiguousarray(k, np.float32),
+        np.ascontiguousarray(v, np.float32),
+        int(start),
+        np.float32(scale),
+        int(window or 0),
+        np.float32(softcap or 0.0),
+        out,
+    )
+    return out.reshape(T, H * E)

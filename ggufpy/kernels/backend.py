@@ -1,0 +1,277 @@
+"""`NumbaBackend`: the `ggufpy.backend.Backend` contract computed from the quantized blocks.
+
+    be = NumbaBackend(numerics, threads=2)
+    y = be.linear(x, w)            # x (T, in) f32, w a QuantTensor (out, in) -> (T, out) f32
+
+A weight is repacked (`layout.pack`) the first time it is used, and the packed form is cached per
+QuantTensor (by identity). A few activation rows (decode) go through the fused kernels (`matvec`), which
+read each weight byte once per call; many rows (prefill) through dense f32 tiles unpacked for BLAS, which
+then does the compute-bound part. `numerics.quantize_activations` switches to ggml's int8
+path: activations are quantized per row to the weight's vec_dot type (ggml-cpu.c `type_traits_cpu`) and
+block dots are integer, as in `ggml_vec_dot_*`. F32/F16/BF16 weights are not repacked: they are
+dequantized in tiles and multiplied with BLAS (with f16/bf16-rounded activations in the int8 path, as ggml).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable
+
+import numpy as np
+
+from .. import ops
+from ..constants import GGMLType
+from ..numerics import NUMERICS, Numerics
+from ..weights import QuantTensor
+from . import activations as act
+from . import ops as kernel_ops
+from ._numba import set_threads
+from .attention import attention as _attention
+from .dequant import dequantize_blocks
+from .layout import GROUP, PACKED_TYPES, Packed, pack
+from .matvec import matvec, plan, unpack
+
+__all__ = ["VEC_DOT", "NumbaBackend"]
+
+# ggml-cpu.c type_traits_cpu[...].vec_dot_type for the types the backend repacks. Q8_1 and Q8_K are
+# activation formats ggml never multiplies as weights: they keep f32 activations.
+VEC_DOT = {
+    GGMLType.Q4_0: act.Q8_0,
+    GGMLType.Q5_0: act.Q8_0,
+    GGMLType.Q8_0: act.Q8_0,
+    GGMLType.IQ4_NL: act.Q8_0,
+    GGMLType.Q4_1: act.Q8_1,
+    GGMLType.Q5_1: act.Q8_1,
+    GGMLType.Q2_K: act.Q8_K,
+    GGMLType.Q3_K: act.Q8_K,
+    GGMLType.Q4_K: act.Q8_K,
+    GGMLType.Q5_K: act.Q8_K,
+    GGMLType.Q6_K: act.Q8_K,
+    GGMLType.IQ4_XS: act.Q8_K,
+    GGMLType.Q8_1: act.EXACT,
+    GGMLType.Q8_K: act.EXACT,
+}
+FLOAT_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16)
+TILE_BYTES = 4 << 20  # dense f32 tile for the BLAS path: a few MB stays in L2/L3
+BLAS_ROWS = 16  # prefill of this many rows or more goes through BLAS (measured crossover: 8-16 rows)
+PARALLEL_MIN = 0  # multiply-adds below which a product runs on one thread (see docs/kernels.md)
+
+
+class CpuContention:
+    """Whether other processes keep this machine's cores busy, from /proc/stat, refreshed every `interval` s.
+
+    numba's parallel loops are fork-join: a product on two threads waits for both, and when another process
+    holds a core the second thread may only get it a scheduler time slice later (milliseconds, for a product
+    that takes microseconds). Measured on 2 cores under a load average of 4: 2 threads 1-10 tok/s, 1 thread
+    30-70 tok/s. So the backend drops to one thread while other processes use more than `threshold` cores.
+    Off Linux (no /proc/stat) it never reports contention.
+    """
+
+    def __init__(self, interval: float = 0.25, threshold: float = 0.5):
+        self.interval = interval
+        self.threshold = threshold
+        self.contended = False
+        self._last = self._sample()
+        self._next = time.monotonic() + interval
+
+    @staticmethod
+    def _sample() -> tuple[float, float] | None:
+        """(jiffies the machine spent busy, jiffies this process used), or None without /proc/stat."""
+        try:
+            with open("/proc/stat") as f:
+                fields = [int(v) for v in f.readline().split()[1:]]
+        except (OSError, ValueError):
+            return None
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait; steal counts as busy
+        t = os.times()
+        return sum(fields) - idle, (t.user + t.system) * os.sysconf("SC_CLK_TCK")
+
+    def poll(self) -> bool:
+        now = time.monotonic()
+        if now >= self._next and self._last is not None:
+            sample = self._sample()
+            if sample is not None:
+                elapsed = (now - self._next + self.interval) * os.sysconf("SC_CLK_TCK")
+                others = (sample[0] - self._last[0]) - (sample[1] - self._last[1])
+                self.contended = others > self.threshold * elapsed
+                self._last = sample
+            self._next = now + self.interval
+        return self.contended
+
+
+class NumbaBackend:
+    """Fused dequantize-and-multiply kernels over repacked weights (see `ggufpy.kernels`).
+
+    `threads`: parallel kernel threads (default: the cores this process may use); products of fewer than
+    `parallel_min` multiply-adds run on one thread, and so does everything while other processes keep the
+    cores busy, unless `adaptive` is False (see `CpuContention`). `blas_rows`: from this many activation rows
+    on (prefill), weights are unpacked into dense f32 tiles and multiplied with BLAS, and attention is
+    NumPy's (None: always the fused kernels). `x86_activations`: quantize Q8_0/Q8_1 activations
+    like llama.cpp's AVX code (True) or like ggml's scalar reference (False). `release_pages`: return a
+    weight's file pages to the OS once it is repacked, so the model is resident once, not twice.
+    """
+
+    name = "numba"
+
+    def __init__(
+        self,
+        numerics: Numerics = NUMERICS["exact"],
+        threads: int | None = None,
+        blas_rows: int | None = BLAS_ROWS,
+        parallel_min: int = PARALLEL_MIN,
+        adaptive: bool = True,
+        x86_activations: bool = True,
+        release_pages: bool = True,
+    ):
+        self.numerics = numerics
+        self.threads = set_threads(threads)
+        self.parallel_min = parallel_min
+        self.contention = CpuContention() if adaptive and self.threads > 1 else None
+        self.blas_rows = blas_rows
+        self.x86_activations = x86_activations
+        self.release_pages = release_pages
+        self._packed: dict[QuantTensor, Packed] = {}  # keyed by identity (QuantTensor has eq=False)
+        self._plans: dict[QuantTensor, tuple] = {}
+        self._tile = np.empty(0, np.float32)
+
+    # -- the Backend contract ------------------------------------------------------------------------------
+    def linear(self, x: np.ndarray, w: QuantTensor) -> np.ndarray:
+        """x (T, in) float32 times w (out, in) transposed -> (T, out) float32."""
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if x.ndim != 2 or x.shape[1] != w.shape[-1]:
+            raise ValueError(f"{w.name}: activations of shape {x.shape} do not fit a weight of shape {w.shape}")
+        if w.type in FLOAT_TYPES:
+            return self._float_linear(x, w)
+        planned = self._plans.get(w)
+        if planned is None:
+            planned = self._plans[w] = plan(self.packed(w))
+        p = self._packed[w]
+        mode = VEC_DOT[w.type] if self.numerics.quantize_activations else act.EXACT
+        if self._use_blas(x.shape[0]):
+            return self._blas_linear(x, p, mode)
+        xv, terms = (x, None) if mode == act.EXACT else act.prepare(x, mode, p.sub, self.x86_activations)
+        y = matvec(p, xv, terms, planned=planned, threads=self._threads_for(x.shape[0] * p.rows * p.cols))
+        return y if y.shape[1] == p.rows else y[:, : p.rows]
+
+    def _use_blas(self, n_rows: int) -> bool:
+        """Prefill through BLAS (and NumPy's attention, also BLAS): numba stays on one thread meanwhile."""
+        return self.blas_rows is not None and n_rows >= self.blas_rows
+
+    def _threads_for(self, macs: int) -> int:
+        """All threads, or one for work too small to repay waking the others or while other processes hold
+        the cores (`CpuContention`)."""
+        if macs < self.parallel_min or (self.contention is not None and self.contention.poll()):
+            return 1
+        return self.threads
+
+    def attention(
+        self,
+        q: np.ndarray,
+        k: np.ndarray,
+        v: np.ndarray,
+        start: int,
+        scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
+    ) -> np.ndarray:
+        """The numerics' attention (`ops.attention` contract): a numba kernel when the numerics use the
+        plain f32 `ops.attention`, otherwise the numerics' own function (e.g. llama.cpp's f16 roundings);
+        NumPy's during a BLAS prefill, to keep numba's threads idle while BLAS runs."""
+        if self.numerics.attention is not ops.attention or self._use_blas(q.shape[0]):
+            extra = {"window": window} if window is not None else {}
+            if softcap:
+                extra["softcap"] = softcap
+            return self.numerics.attention(q, k, v, start, scale, **extra)
+        threads = self._threads_for(q.shape[0] * q.shape[1] * k.shape[0] * q.shape[2])
+        return _attention(q, k, v, start, scale, window, softcap, threads=threads)
+
+    # The per-token glue, for a transformer that asks its backend (`getattr(backend, "rms_norm", ops.rms_norm)`):
+    rms_norm = staticmethod(kernel_ops.rms_norm)  # the same f32 steps as ops.rms_norm, in both numerics modes
+    rope = staticmethod(kernel_ops.rope)
+
+    @property
+    def activations(self) -> dict:
+        """Activation functions by name: numba versions for the exact numerics, else the numerics' own."""
+        own = getattr(self.numerics, "activations", ops.ACTIVATIONS)
+        if all(f is ops.ACTIVATIONS.get(name) for name, f in own.items()):  # the plain f32 functions
+            return {**own, **kernel_ops.ACTIVATIONS}
+        return own
+
+    # -- weights -------------------------------------------------------------------------------------------
+    def packed(self, w: QuantTensor) -> Packed:
+        """The repacked form of `w`, made on first use and cached."""
+        p = self._packed.get(w)
+        if p is None:
+            if w.type not in PACKED_TYPES or len(w.shape) != 2:
+                raise NotImplementedError(f"{w.name}: no numba kernel for {w.type.name} weights of shape {w.shape}")
+            p = self._packed[w] = pack(w, release=self.release_pages)
+        return p
+
+    def prepack(self, tensors: Iterable[QuantTensor]) -> int:
+        """Repack these weights now rather than on first use; returns the bytes the packed forms take."""
+        for w in tensors:
+            if w.type not in FLOAT_TYPES:
+                self.packed(w)
+        return self.packed_bytes
+
+    @property
+    def packed_bytes(self) -> int:
+        return sum(p.nbytes for p in self._packed.values())
+
+    # -- the dense paths -----------------------------------------------------------------------------------
+    def _tile_rows(self, cols: int) -> int:
+        return max(GROUP, TILE_BYTES // (4 * cols) // GROUP * GROUP)
+
+    def _scratch(self, n: int) -> np.ndarray:
+        if self._tile.size < n:
+            self._tile = np.empty(n, np.float32)
+        return self._tile[:n]
+
+    def _blas_linear(self, x: np.ndarray, p: Packed, mode: int) -> np.ndarray:
+        """Unpack dense row tiles and multiply with BLAS. In the int8 path the activations are the
+        dequantized quantized ones; Q8_1's fp16-rounded block sums enter as a correction of the mins."""
+        T = x.shape[0]
+        xe = x
+        correction = None
+        if mode != act.EXACT:
+            xv, (xs, ad, am) = act.prepare(x, mode, p.sub, self.x86_activations)
+            xe = (xv.reshape(T, -1, p.sub) * ad[:, :, None]).reshape(T, -1)  # (T, C)
+            if p.b is not None and p.style == "block":
+                correction = am - ad * xs  # (T, n): s - d * sum(q), nonzero only for Q8_1
+        y = np.empty((T, p.rows), np.float32)
+        step = self._tile_rows(p.cols) // GROUP
+        for g0 in range(0, p.groups, step):
+            g1 = min(p.groups, g0 + step)
+            r0, r1 = g0 * GROUP, min(p.rows, g1 * GROUP)
+            # one numba thread: BLAS runs its own threads next, and two spinning pools would fight
+            tile = unpack(p, g0, g1, self._scratch(p.cols * (g1 - g0) * GROUP).reshape(p.cols, -1), threads=1)
+            y[:, r0:r1] = xe @ tile[:, : r1 - r0]
+        if correction is not None:
+            b = p.scales("b").transpose(0, 2, 1).reshape(-1, p.n_sub)[: p.rows]  # (rows, n)
+            y += correction @ b.T
+        return y
+
+    def _float_linear(self, x: np.ndarray, w: QuantTensor) -> np.ndarray:
+        rows, cols = w.shape
+        if self.numerics.quantize_activations and w.type != GGMLType.F32:
+            xr = np.empty_like(x)
+            (act.round_f16 if w.type == GGMLType.F16 else act.round_bf16)(x, xr)  # ggml's vec_dot_type
+            x = xr
+        if w.type == GGMLType.F32:
+            return x @ w.raw.view("<f4").reshape(rows, cols).T
+        y = np.empty((x.shape[0], rows), np.float32)
+        step = self._tile_rows(cols)
+        blocks = w.raw.reshape(rows, -1)
+        for r0 in range(0, rows, step):
+            r1 = min(rows, r0 + step)
+            tile = self._scratch((r1 - r0) * cols).reshape(r1 - r0, cols)
+            dequantize_blocks(w.type, blocks[r0:r1], tile.reshape(-1, 1))
+            y[:, r0:r1] = x @ tile.T
+        return y
+
+    def __repr__(self) -> str:
+        return (
+            f"NumbaBackend(numerics={self.numerics.name!r}, threads={self.threads}, "
+            f"packed={len(self._packed)} tensors / {self.packed_bytes >> 20} MiB)"
+        )
