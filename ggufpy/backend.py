@@ -26,6 +26,13 @@ class Backend(Protocol):
         ...
 
 
+def linears(backend: Backend, x: np.ndarray, ws: tuple[QuantTensor, ...]) -> list[np.ndarray]:
+    """x times each of `ws` (weights sharing their input, like Q/K/V): one call where the backend can do
+    that (`backend.linears`), else one `linear` each."""
+    many = getattr(backend, "linears", None)
+    return many(x, ws) if many is not None else [backend.linear(x, w) for w in ws]
+
+
 class NumpyBackend:
     """Dequantize on use, then `x @ W.T`.
 

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from . import ops
-from .backend import Backend
+from .backend import Backend, linears
 from .config import ModelConfig
 from .kvcache import ContextLengthError, KVCache
 from .numerics import NUMERICS, Numerics
@@ -40,6 +40,7 @@ class Model:
         # per-token glue a backend may compute faster (numba); the same f32 steps as the NumPy reference
         self.rms_norm = getattr(backend, "rms_norm", ops.rms_norm)
         self.rope = getattr(backend, "rope", ops.rope)
+        self.fast_activations = getattr(backend, "fast_activations", {})
         self.weights = weights
         self.backend = backend
         self.tokenizer = tokenizer
@@ -137,7 +138,7 @@ class Model:
 
         x = self.rms_norm(h, w.attn_norm, cfg.norm_eps)
         _record(trace, f"attn_norm-{i}", x)
-        q, k, v = lin(x, w.attn_q), lin(x, w.attn_k), lin(x, w.attn_v)  # (T, Q), (T, K), (T, K)
+        q, k, v = linears(self.backend, x, (w.attn_q, w.attn_k, w.attn_v))  # (T, Q), (T, K), (T, K)
         if w.attn_q_bias is not None:
             q, k, v = q + w.attn_q_bias, k + w.attn_k_bias, v + w.attn_v_bias
         q = q.reshape(T, cfg.n_heads, cfg.head_dim)  # (T, H, E)
@@ -182,9 +183,12 @@ class Model:
 
     def feed_forward(self, x: np.ndarray, w: LayerWeights) -> np.ndarray:
         """Gated feed-forward: down(act(gate(x)) * up(x))."""
-        act = self.numerics.activations[self.config.arch.activation]
-        lin = self.backend.linear
-        return lin(act(lin(x, w.ffn_gate)) * lin(x, w.ffn_up), w.ffn_down)
+        name = self.config.arch.activation
+        act = self.numerics.activations[name]
+        if act is ops.ACTIVATIONS[name]:  # the plain f32 function: a backend may run the same steps compiled
+            act = self.fast_activations.get(name, act)
+        gate, up = linears(self.backend, x, (w.ffn_gate, w.ffn_up))  # (T, F) each
+        return self.backend.linear(act(gate) * up, w.ffn_down)
 
     def __repr__(self) -> str:
         c = self.config

@@ -44,14 +44,9 @@ def compare(path, args) -> dict:
     numpy_model = bench.load_model(path, "numpy") if args.numpy else None
     prompt = bench.prompt_tokens(args.prompt, numba_model.config.vocab_size)
     bench.time_ggufpy(numba_model, prompt[:20], 2)  # compile / load every kernel first
-    with bench.backend_glue(numba_model):
-        bench.time_ggufpy(numba_model, prompt[:20], 2)
-    runs: dict[str, list] = {"numba": [], "numba+glue": [], "llama.cpp": [], "numpy": []}
+    runs: dict[str, list] = {"numba": [], "llama.cpp": [], "numpy": []}
     for _ in range(args.rounds):
         runs["numba"].append(bench.time_ggufpy(numba_model, prompt, args.decode))
-        if args.glue:
-            with bench.backend_glue(numba_model):
-                runs["numba+glue"].append(bench.time_ggufpy(numba_model, prompt, args.decode))
         if bench.llamacpp_available():
             runs["llama.cpp"].append(bench.time_llamacpp(path, prompt, args.decode, args.threads))
         if numpy_model is not None:

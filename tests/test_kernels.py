@@ -425,12 +425,53 @@ def test_glue_ops_match_ggufpy_ops(seed, n_tokens, rope_pairs):
 
 
 @needs_numba
-def test_backend_activations_follow_the_numerics():
+@pytest.mark.parametrize("t", [T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K, T.F16])
+@pytest.mark.parametrize("numerics", ["exact", "llamacpp"])
+@pytest.mark.parametrize("n_rows", [1, 3, 20])  # decode, pairs + last row, BLAS prefill
+def test_linears_equal_separate_products_and_share_memory(t, numerics, n_rows):
+    """Q/K/V in one call: the same values as one call each (the fused kernels run the same arithmetic per
+    row; BLAS may block differently), and the separate packed forms become views of the stack, so memory
+    does not grow."""
+    cols = 256
+    ws = (random_weight(t, 128, cols, seed=1), random_weight(t, 70, cols, seed=2), random_weight(t, 64, cols, seed=3))
+    x = np.random.default_rng(4).standard_normal((n_rows, cols)).astype(np.float32)
+    separate = NumbaBackend(NUMERICS[numerics], release_pages=False)
+    expected = [separate.linear(x, w) for w in ws]
+    be = NumbaBackend(NUMERICS[numerics], release_pages=False)
+    before = be.prepack(ws)
+    got = be.linears(x, ws)
+
+    def same(a, b):
+        if n_rows < be.blas_rows:
+            np.testing.assert_array_equal(a, b)
+        else:  # BLAS blocks a larger matrix differently: f32 summation order only
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max())
+
+    for g, e, w in zip(got, expected, ws, strict=True):
+        assert g.shape == (n_rows, w.shape[0])
+        same(g, e)
+        same(be.linear(x, w), e)  # through the view of the stack
+    assert be.packed_bytes == before
+
+
+@needs_numba
+def test_transformer_uses_compiled_activations_only_for_the_plain_functions(monkeypatch):
+    """The numba SiLU replaces ops.silu in the exact numerics; a numerics record with its own activation
+    (llama.cpp's fp16-table GELU) is obeyed."""
+    import ggufpy
+    from conformance import fixtures as fx
     from ggufpy.kernels import ops as kops
 
-    assert NumbaBackend(NUMERICS["exact"]).activations["silu"] is kops.silu
-    llamacpp = NUMERICS["llamacpp"]
-    assert NumbaBackend(llamacpp).activations == llamacpp.activations
+    calls = []
+    monkeypatch.setitem(NumbaBackend.fast_activations, "silu", lambda x: calls.append(x.shape) or kops.silu(x))
+    model = ggufpy.load(fx.fixture_path("q4_0"), backend="numba", tokenizer=False)
+    model.logits([5, 6])
+    assert len(calls) == model.config.n_layers
+    calls.clear()
+    llamacpp = ggufpy.load(fx.fixture_path("q4_0"), backend="numba", numerics="llamacpp", tokenizer=False)
+    llamacpp.numerics = dataclasses.replace(llamacpp.numerics, activations={"silu": lambda x: calls.append("own") or x})
+    llamacpp.logits([5])
+    assert calls == ["own"] * llamacpp.config.n_layers
 
 
 # -- whole models ------------------------------------------------------------------------------------------------

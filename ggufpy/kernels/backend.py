@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterable
+from dataclasses import replace
 
 import numpy as np
 
@@ -56,6 +57,9 @@ FLOAT_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16)
 TILE_BYTES = 4 << 20  # dense f32 tile for the BLAS path: a few MB stays in L2/L3
 BLAS_ROWS = 16  # prefill of this many rows or more goes through BLAS (measured crossover: 8-16 rows)
 PARALLEL_MIN = 0  # multiply-adds below which a product runs on one thread (see docs/kernels.md)
+# Decode attention over a short cache is a few microseconds of work: one thread beats a fork-join
+# (SmolLM2 at 128 positions, 9 heads: 17 us on one thread, 22 us on two).
+ATTENTION_PARALLEL_MIN = 1 << 20
 
 
 class CpuContention:
@@ -133,6 +137,7 @@ class NumbaBackend:
         self.release_pages = release_pages
         self._packed: dict[QuantTensor, Packed] = {}  # keyed by identity (QuantTensor has eq=False)
         self._plans: dict[QuantTensor, tuple] = {}
+        self._stacks: dict[tuple[QuantTensor, ...], tuple | None] = {}  # linears(): weights stacked
         self._tile = np.empty(0, np.float32)
 
     # -- the Backend contract ------------------------------------------------------------------------------
@@ -143,16 +148,60 @@ class NumbaBackend:
             raise ValueError(f"{w.name}: activations of shape {x.shape} do not fit a weight of shape {w.shape}")
         if w.type in FLOAT_TYPES:
             return self._float_linear(x, w)
+        p = self.packed(w)
         planned = self._plans.get(w)
         if planned is None:
-            planned = self._plans[w] = plan(self.packed(w))
-        p = self._packed[w]
-        mode = VEC_DOT[w.type] if self.numerics.quantize_activations else act.EXACT
+            planned = self._plans[w] = plan(p)
+        y = self._product(x, p, planned)
+        return y if y.shape[1] == p.rows else y[:, : p.rows]
+
+    def linears(self, x: np.ndarray, ws: tuple[QuantTensor, ...]) -> list[np.ndarray]:
+        """x times each of `ws` (Q/K/V, gate/up: weights that share their input).
+
+        Weights of one packed type and width are stacked into one packed weight the first time (their
+        separate packed forms become views of it, so memory does not grow): one kernel call then covers all
+        of them, which saves the per-call cost and balances small matrices over the threads."""
+        stack = self._stacks.get(ws)
+        if stack is None:
+            stack = self._stacks[ws] = self._stack(ws)
+        if not stack:
+            return [self.linear(x, w) for w in ws]
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if x.ndim != 2 or x.shape[1] != ws[0].shape[-1]:
+            raise ValueError(f"{ws[0].name}: activations of shape {x.shape} do not fit weights of shape {ws[0].shape}")
+        p, planned, spans = stack
+        y = self._product(x, p, planned)  # (T, G*64) over the stacked groups
+        return [y[:, lo : lo + rows] for lo, rows in spans]
+
+    def _product(self, x: np.ndarray, p: Packed, planned: tuple) -> np.ndarray:
+        mode = VEC_DOT[p.type] if self.numerics.quantize_activations else act.EXACT
         if self._use_blas(x.shape[0]):
             return self._blas_linear(x, p, mode)
         xv, terms = (x, None) if mode == act.EXACT else act.prepare(x, mode, p.sub, self.x86_activations)
-        y = matvec(p, xv, terms, planned=planned, threads=self._threads_for(x.shape[0] * p.rows * p.cols))
-        return y if y.shape[1] == p.rows else y[:, : p.rows]
+        return matvec(p, xv, terms, planned=planned, threads=self._threads_for(x.shape[0] * p.rows * p.cols))
+
+    def _stack(self, ws: tuple[QuantTensor, ...]) -> tuple | None:
+        """(stacked Packed, its plan, [(first output column, rows)] per weight), or None when `ws` cannot
+        share one kernel (types, widths or scale storage differ)."""
+        if len({(w.type, w.shape[-1], len(w.shape)) for w in ws}) != 1 or ws[0].type in FLOAT_TYPES:
+            return None
+        parts = [self.packed(w) for w in ws]
+        fields = ("q", "a", "b", "sc", "mn")
+        for f in fields:  # e.g. scales stored as fp16 bits in one weight and as f32 in another
+            if len({None if getattr(p, f) is None else getattr(p, f).dtype for p in parts}) != 1:
+                return None
+        arrays = {
+            f: None if getattr(parts[0], f) is None else np.concatenate([getattr(p, f) for p in parts]) for f in fields
+        }  # each (G_i, ...) -> (sum G_i, ...)
+        stacked = replace(parts[0], rows=sum(p.groups for p in parts) * GROUP, **arrays)
+        spans, g0 = [], 0
+        for w, p in zip(ws, parts, strict=True):  # the separate forms become views of the stack
+            g1 = g0 + p.groups
+            self._packed[w] = replace(p, **{f: None if a is None else a[g0:g1] for f, a in arrays.items()})
+            self._plans.pop(w, None)
+            spans.append((g0 * GROUP, p.rows))
+            g0 = g1
+        return stacked, plan(stacked), spans
 
     def _use_blas(self, n_rows: int) -> bool:
         """Prefill through BLAS (and NumPy's attention, also BLAS): numba stays on one thread meanwhile."""
@@ -183,20 +232,17 @@ class NumbaBackend:
             if softcap:
                 extra["softcap"] = softcap
             return self.numerics.attention(q, k, v, start, scale, **extra)
-        threads = self._threads_for(q.shape[0] * q.shape[1] * k.shape[0] * q.shape[2])
+        macs = q.shape[0] * q.shape[1] * k.shape[0] * q.shape[2]
+        threads = 1 if macs < ATTENTION_PARALLEL_MIN else self._threads_for(macs)
         return _attention(q, k, v, start, scale, window, softcap, threads=threads)
 
     # The per-token glue, for a transformer that asks its backend (`getattr(backend, "rms_norm", ops.rms_norm)`):
     rms_norm = staticmethod(kernel_ops.rms_norm)  # the same f32 steps as ops.rms_norm, in both numerics modes
     rope = staticmethod(kernel_ops.rope)
 
-    @property
-    def activations(self) -> dict:
-        """Activation functions by name: numba versions for the exact numerics, else the numerics' own."""
-        own = getattr(self.numerics, "activations", ops.ACTIVATIONS)
-        if all(f is ops.ACTIVATIONS.get(name) for name, f in own.items()):  # the plain f32 functions
-            return {**own, **kernel_ops.ACTIVATIONS}
-        return own
+    # compiled versions of the plain f32 activations (`ops.ACTIVATIONS`): the transformer uses one only where
+    # the numerics hold the plain function (not, e.g., llama.cpp's fp16-table GELU)
+    fast_activations = kernel_ops.ACTIVATIONS
 
     # -- weights -------------------------------------------------------------------------------------------
     def packed(self, w: QuantTensor) -> Packed:

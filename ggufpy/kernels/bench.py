@@ -13,7 +13,6 @@ of several rounds kept (`best_of`): other processes on the machine only ever slo
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
@@ -68,28 +67,6 @@ def load_model(path: str | os.PathLike, backend: str, **options):
     if hasattr(model.backend, "prepack"):
         model.backend.prepack(model_weights(model))
     return model
-
-
-@contextlib.contextmanager
-def backend_glue(model):
-    """Run `model` with RMSNorm, RoPE and the activations of its backend (`NumbaBackend.rms_norm`...), as a
-    transformer that asked its backend for them would: patches `ggufpy.ops` for the duration. A stand-in
-    for the transformer hook (see docs/kernels.md); without those backend methods, a no-op."""
-    from .. import ops
-
-    be = model.backend
-    if not hasattr(be, "rms_norm"):
-        yield
-        return
-    saved = ops.rms_norm, ops.rope, dict(model.numerics.activations)
-    ops.rms_norm, ops.rope = be.rms_norm, be.rope
-    model.numerics.activations.update(be.activations)
-    try:
-        yield
-    finally:
-        ops.rms_norm, ops.rope = saved[0], saved[1]
-        model.numerics.activations.clear()
-        model.numerics.activations.update(saved[2])
 
 
 def model_weights(model) -> list:
