@@ -22,13 +22,24 @@ LAYER_THRESHOLD = {"exact": 1e-3, "llamacpp": 1e-4}
 FULL_ROWS_UP_TO = 4096  # vocabularies up to this size keep full logit rows; larger ones the top 256
 
 
-def check(path: Path, prompt: str, modes=MODES, layers: bool = False, max_tokens: int = 256, n_continue: int = 16):
-    """Compare ggufpy with llama.cpp on `path`; yields (mode, report row, divergence or None)."""
+def check(
+    path: Path,
+    prompt: str,
+    modes=MODES,
+    layers: bool = False,
+    max_tokens: int = 256,
+    n_continue: int = 16,
+    backend: str = "numpy",
+):
+    """Compare ggufpy (`backend`, default the NumPy reference) with llama.cpp on `path`; yields (mode, report
+    row, divergence or None)."""
     import ggufpy
 
     from .llamacpp import LlamaCpp
 
-    models = {mode: ggufpy.load(path, tokenizer=False, numerics=mode) for mode in modes}  # fails cleanly first
+    models = {
+        mode: ggufpy.load(path, backend=backend, tokenizer=False, numerics=mode) for mode in modes
+    }  # fails cleanly first
     cfg = next(iter(models.values())).config
     with LlamaCpp(path) as lc:
         tokens = lc.tokenize(prompt)
@@ -55,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", action="store_true", help="find the first layer and tensor that diverge")
     parser.add_argument("--mode", choices=MODES, action="append", help="numerics mode (repeatable; default both)")
     parser.add_argument("--max-tokens", type=int, default=256, help="truncate the prompt to this many tokens")
+    parser.add_argument("--backend", default="numpy", help="ggufpy backend to check (default: the NumPy reference)")
     args = parser.parse_args(argv)
     from .llamacpp import available
 
@@ -65,7 +77,10 @@ def main(argv: list[str] | None = None) -> int:
     print("|" + "---|" * (HEADER.count("|") - 1))
     failed = False
     divergences = []
-    for mode, row, divergence in check(args.file, args.prompt, tuple(args.mode or MODES), args.layers, args.max_tokens):
+    modes = tuple(args.mode or MODES)
+    for mode, row, divergence in check(
+        args.file, args.prompt, modes, args.layers, args.max_tokens, backend=args.backend
+    ):
         print(format_row(row), flush=True)
         failed |= bool(row["failures"])
         for f in row["failures"]:

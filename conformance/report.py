@@ -43,8 +43,9 @@ def model_path(ref: Reference) -> Path:
     return path
 
 
-def evaluate(name: str, modes=MODES, continuation: bool = True) -> list[dict]:
-    """Report rows for one golden: one per numerics mode."""
+def evaluate(name: str, modes=MODES, continuation: bool = True, backend: str = "numpy") -> list[dict]:
+    """Report rows for one golden: one per numerics mode, computed by `backend` (default: the NumPy
+    reference; "numba" checks the kernels against the same goldens)."""
     import ggufpy
 
     ref = Reference.load(name)
@@ -52,7 +53,7 @@ def evaluate(name: str, modes=MODES, continuation: bool = True) -> list[dict]:
     rows = []
     for mode in modes:
         t0 = time.perf_counter()
-        model = ggufpy.load(path, tokenizer=False, numerics=mode)
+        model = ggufpy.load(path, backend=backend, tokenizer=False, numerics=mode)
         row = {"model": name, "types": ref.meta["types"], "mode": mode, **compare(model, ref, continuation)}
         row["seconds"] = time.perf_counter() - t0
         row["failures"] = failures(row)
@@ -119,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m conformance.report", description=__doc__.splitlines()[0])
     parser.add_argument("names", nargs="*", help=f"goldens (default: all in {GOLDEN_DIR})")
     parser.add_argument("--mode", choices=MODES, action="append", help="numerics mode (repeatable; default both)")
+    parser.add_argument("--backend", default="numpy", help="ggufpy backend to check (default: the NumPy reference)")
     parser.add_argument("--no-greedy", action="store_true", help="skip the greedy continuations (faster)")
     parser.add_argument("--write-docs", action="store_true", help=f"replace the table in {DOCS}")
     args = parser.parse_args(argv)
@@ -130,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     print(HEADER)
     print("|" + "---|" * (HEADER.count("|") - 1))
     for name in names:
-        for row in evaluate(name, args.mode or MODES, continuation=not args.no_greedy):
+        for row in evaluate(name, args.mode or MODES, continuation=not args.no_greedy, backend=args.backend):
             rows.append(row)
             print(format_row(row), flush=True)
     failed = [(r["model"], r["mode"], f) for r in rows for f in r["failures"]]

@@ -39,7 +39,7 @@ class Model:
         self.numerics = numerics
         # per-token glue a backend may compute faster (numba); the same f32 steps as the NumPy reference
         self.rms_norm = getattr(backend, "rms_norm", ops.rms_norm)
-        self.rope = getattr(backend, "rope", ops.rope)
+        self.fast_rope = getattr(backend, "rope", ops.rope)
         self.fast_activations = getattr(backend, "fast_activations", {})
         self.weights = weights
         self.backend = backend
@@ -147,8 +147,11 @@ class Model:
         if w.attn_q_norm is not None:
             q = self.rms_norm(q, w.attn_q_norm, cfg.norm_eps)
             k = self.rms_norm(k, w.attn_k_norm, cfg.norm_eps)
-        q = self.rope(q, cos, sin, cfg.arch.rope_style)
-        k = self.rope(k, cos, sin, cfg.arch.rope_style)
+        rope = self.numerics.rope
+        if rope is ops.rope:  # the plain f32 rotation: a backend may run the same steps compiled
+            rope = self.fast_rope
+        q = rope(q, cos, sin, cfg.arch.rope_style)
+        k = rope(k, cos, sin, cfg.arch.rope_style)
         _record(trace, f"Qcur-{i}", q)
         _record(trace, f"Kcur-{i}", k)
         _record(trace, f"Vcur-{i}", v)

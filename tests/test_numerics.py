@@ -5,6 +5,9 @@ re-checked live against the C library when llama-cpp-python is installed), plus 
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+
 import numpy as np
 import pytest
 
@@ -123,13 +126,40 @@ def _rope_cache_scalar(p: int, n_dims: int, base: float, freq_scale: float = 1.0
 def test_rope_angles_follow_ggml_float32_recurrence():
     positions = np.array([0, 1, 7, 100, 4095])
     cos, sin = rope_angles_ggml(positions, 64, 100000.0, 0.5)
+    libm = ctypes.CDLL(ctypes.util.find_library("m"))  # ggml calls the C library's cosf/sinf
+    for name in ("cosf", "sinf"):
+        getattr(libm, name).restype, getattr(libm, name).argtypes = ctypes.c_float, [ctypes.c_float]
     for row, p in enumerate(positions):
-        angles = np.array(_rope_cache_scalar(int(p), 64, 100000.0, 0.5), np.float64)
-        assert np.array_equal(cos[row], np.cos(angles).astype(np.float32))
-        assert np.array_equal(sin[row], np.sin(angles).astype(np.float32))
+        angles = _rope_cache_scalar(int(p), 64, 100000.0, 0.5)
+        assert np.array_equal(cos[row], np.array([libm.cosf(float(a)) for a in angles], np.float32))
+        assert np.array_equal(sin[row], np.array([libm.sinf(float(a)) for a in angles], np.float32))
+        # within an ulp of the correctly rounded values
+        np.testing.assert_allclose(cos[row], np.cos(np.array(angles, np.float64)), rtol=0, atol=1.2e-7)
     # the float64 angles of the exact mode drift away from the f32 recurrence with the position
     c64, _ = ops.rope_angles(positions, 64, 100000.0, 0.5)
     assert 1e-5 < np.abs(c64 - cos)[-1].max() < 1e-2
+
+
+def test_rope_contracts_to_fmas_like_the_compiled_rotation():
+    """ggml's `x0*cos - x1*sin` compiled with FMA contraction: fma(x0, cos, -(x1*sin)), exact to one rounding."""
+    from fractions import Fraction
+
+    from ggufpy.numerics import rope_ggml
+
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((5, 3, 8)).astype(np.float32)
+    cos, sin = rope_angles_ggml(np.arange(5), 8, 10000.0)
+    for style in ("norm", "neox"):
+        got = rope_ggml(x, cos, sin, style)
+        i0, i1 = (slice(0, 8, 2), slice(1, 8, 2)) if style == "norm" else (slice(0, 4), slice(4, 8))
+        x0, x1, c, s = x[..., i0], x[..., i1], cos[:, None, :], sin[:, None, :]
+        x0, x1, c, s = np.broadcast_arrays(x0, x1, c, s)
+        want = [
+            float(np.float32(float(Fraction(float(a)) * Fraction(float(b)) - Fraction(float(np.float32(d * e))))))
+            for a, b, d, e in zip(x0.ravel(), c.ravel(), x1.ravel(), s.ravel(), strict=True)
+        ]
+        np.testing.assert_array_equal(got[..., i0].ravel(), np.array(want, np.float32))
+        assert not np.array_equal(got[..., i0], x0 * c - x1 * s)  # two roundings differ somewhere
 
 
 def test_attention_matches_llamacpp_on_its_own_inputs():

@@ -24,6 +24,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("file", metavar="FILE", help="a GGUF file, or a packaged model's short name: smollm2, gemma3")
     p.add_argument("-p", "--prompt", required=True, help="the text to run")
     p.add_argument("--numerics", default="exact", choices=["exact", "llamacpp"], help="numerics mode (default exact)")
+    p.add_argument("--backend", default="numpy", choices=["numpy", "numba"], help="backend (default: the reference)")
     p.add_argument("--against-llamacpp", action="store_true", help="add each tensor's NMSE against llama.cpp")
     p.add_argument("--grep", default=None, help="show only tensors whose name contains this text")
     p.set_defaults(func=run)
@@ -55,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
 
     path = resolve_model_path(args.file)
     llamacpp = _llamacpp_module() if args.against_llamacpp else None
-    model = load(path, numerics=args.numerics, tokenizer=llamacpp is None)
+    model = load(path, backend=args.backend, numerics=args.numerics, tokenizer=llamacpp is None)
     if llamacpp is not None:  # llama.cpp's own token ids, so both runs see the same input
         with llamacpp.LlamaCpp(path) as lc:
             ids = lc.tokenize(args.prompt)

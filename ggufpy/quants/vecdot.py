@@ -52,6 +52,7 @@ __all__ = [
     "SplitWeight",
     "decode_activations",
     "linear",
+    "linear_x86",
     "quantize_activations",
     "round_bf16",
     "round_f16",
@@ -220,6 +221,20 @@ def linear(x: np.ndarray, w: SplitWeight, dtype=np.float64, chunk_bytes: int = 6
             y += sums @ w.offsets[rows].astype(dtype).T
         out[:, rows] = y
     return out.reshape(*lead, -1)
+
+
+def linear_x86(x: np.ndarray, raw: np.ndarray, w_type: GGMLType, shape: tuple[int, int]) -> np.ndarray:
+    """x (..., in) f32 times the weight (out, in) given by its GGUF bytes, bit for bit as llama.cpp's x86 CPU
+    backend computes it: the activations as `quantize_activations`, then the f32 operations of the kernel
+    that runs for this type and shape (`ggufpy.quants.x86`). Returns (..., out) f32."""
+    from . import x86  # NumPy replays of SIMD kernels: loaded only by the llamacpp numerics
+
+    x = np.asarray(x, np.float32)
+    lead, n = x.shape[:-1], x.shape[-1]
+    rows = x.reshape(-1, n)  # (T, in)
+    a = x86.activations_for(rows, w_type, lambda r: quantize_activations(r, VEC_DOT_TYPE[w_type]))
+    w = np.asarray(raw).reshape(-1).view(np.uint8).reshape(shape[0], -1)  # u8 (out, row_bytes)
+    return x86.matmul(w, w_type, a).reshape(*lead, shape[0])
 
 
 # Float weights: the activation row is only rounded to the weight's own type (vec_dot_type F32/F16/BF16).
