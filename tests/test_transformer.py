@@ -164,3 +164,21 @@ def test_rms_norm_matches_definition():
     w = np.linspace(0.5, 1.5, 64, dtype=np.float32)
     ref = x / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-6) * w
     np.testing.assert_allclose(ops.rms_norm(x, w, 1e-6), ref, rtol=1e-6)
+
+
+def test_numpy_backend_without_room_in_its_cache_computes_the_same_products(tiny_llama_path):
+    """A weight that does not fit the dequantized-weight cache is dequantized tile by tile for each product
+    (and decode products run BLAS on one thread): the same logits as with every weight cached."""
+    from ggufpy import backend as backend_module
+
+    tokens = np.array([3, 1, 4, 1, 5, 9, 2, 6])
+    cached = ggufpy.load(tiny_llama_path, backend="numpy", cache_bytes=1 << 30, tokenizer=False)
+    tiled = ggufpy.load(tiny_llama_path, backend="numpy", cache_bytes=0, tokenizer=False)
+    old, backend_module.TILE_BYTES = backend_module.TILE_BYTES, 4 * 32 * 5  # tiles of 5 rows: many of them
+    try:
+        got = tiled.logits(tokens)
+    finally:
+        backend_module.TILE_BYTES = old
+    want = cached.logits(tokens)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    assert tiled.backend._used == 0 and cached.backend._used > 0

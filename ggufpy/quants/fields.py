@@ -34,7 +34,10 @@ def i8_field(blocks: np.ndarray, offset: int, count: int) -> np.ndarray:
 
 def nibbles(qs: np.ndarray) -> np.ndarray:
     """Split bytes into 4-bit values, low nibbles first: u8[..., m] -> u8[..., 2, m]."""
-    return np.stack([qs & 0x0F, qs >> 4], axis=-2)
+    out = np.empty((*qs.shape[:-1], 2, qs.shape[-1]), np.uint8)
+    np.bitwise_and(qs, 0x0F, out=out[..., 0, :])
+    np.right_shift(qs, 4, out=out[..., 1, :])
+    return out
 
 
 def as_bytes(*fields: np.ndarray) -> np.ndarray:
