@@ -12,8 +12,9 @@
 - RoPE angles are built like `ggml_rope_cache_init`: theta_scale = powf(base, -2/n_dims), theta multiplied
   by it pair after pair in f32, then the C library's cosf/sinf (`rope_angles_ggml`); the rotation contracts
   to FMAs as compiled (`rope_ggml`);
-- attention rounds where ggml's does (`attention_ggml`);
-- GELU is ggml's fp16 table (`gelu_tanh_ggml`, GGML_GELU_FP16).
+- attention rounds where ggml's does (`attention_ggml`), in the order of its kernels' f32 operations
+  (`ggufpy.quants.x86.attention`: tinyBLAS F16 products over the padded cache, `ggml_v_expf`);
+- GELU is ggml's fp16 table (`gelu_tanh_ggml`, GGML_GELU_FP16); SiLU uses ggml's own SIMD exp (`_silu_x86`).
 The forward pass and the backends read only these fields.
 """
 
@@ -36,6 +37,7 @@ class Numerics:
     kv_dtype: np.dtype  # storage type of the KV cache
     rope_angles: Callable = ops.rope_angles  # (positions, rope_dim, theta, freq_scale, freq_factors) -> cos, sin
     rope: Callable = ops.rope  # (x (T, heads, E), cos, sin, style) -> rotated x
+    softcap: Callable = ops.apply_softcap  # (x, cap) -> cap * tanh(x / cap): gemma2's final logits
     attention: Callable = ops.attention  # (q, k, v, start, scale) -> (T, H*E)
     quantize_activations: bool = False  # round activations to each weight type's vec_dot type (ggml-cpu.c)
     x86_kernels: bool = False  # and replay the f32 operations of ggml's x86 kernels (ggufpy/quants/x86)
@@ -163,6 +165,28 @@ def gelu_tanh_ggml(x: np.ndarray) -> np.ndarray:
     return np.where(x <= -10, np.float32(0), np.where(x >= 10, x, looked_up))
 
 
+def _attention_x86(q, k, v, start, scale, window=None, softcap=None):
+    """`attention_ggml` with the f32 operations of the kernels llama.cpp runs (`ggufpy.quants.x86.attention`)."""
+    from .quants.x86.attention import attention
+
+    return attention(q, k, v, start, scale, window=window, softcap=softcap)
+
+
+def _softcap_ggml(x, cap):
+    """ggml_scale(x, 1.0f/cap), ggml_tanh (the C library's tanhf), ggml_scale(x, cap) (src/models/gemma2.cpp)."""
+    from .quants.x86.unary import tanhf_glibc
+
+    cap = np.float32(cap)
+    return tanhf_glibc(np.asarray(x, np.float32) * (np.float32(1) / cap)) * cap
+
+
+def _silu_x86(x):
+    """SiLU as `ggml_vec_swiglu_f32` computes it: x / (1 + ggml's own SIMD exp(-x)) (`ggufpy.quants.x86.unary`)."""
+    from .quants.x86.unary import silu_rows
+
+    return silu_rows(x)
+
+
 NUMERICS: dict[str, Numerics] = {
     "exact": Numerics("exact", np.dtype(np.float32)),
     "llamacpp": Numerics(
@@ -170,10 +194,11 @@ NUMERICS: dict[str, Numerics] = {
         np.dtype(np.float16),
         rope_angles=rope_angles_ggml,
         rope=rope_ggml,
-        attention=attention_ggml,
+        softcap=_softcap_ggml,
+        attention=_attention_x86,
         quantize_activations=True,
         x86_kernels=True,
-        activations={**ops.ACTIVATIONS, "gelu_tanh": gelu_tanh_ggml},
+        activations={"silu": _silu_x86, "gelu_tanh": gelu_tanh_ggml},
     ),
 }
 

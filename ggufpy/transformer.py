@@ -108,7 +108,7 @@ class Model:
         _record(trace, "result_norm", h)
         logits = self.backend.linear(h, self.weights.output)  # (T, V)
         if cfg.final_softcap:
-            logits = ops.apply_softcap(logits, cfg.final_softcap)
+            logits = self.numerics.softcap(logits, cfg.final_softcap)
         _record(trace, "result_output", logits)
         return logits
 
@@ -161,7 +161,7 @@ class Model:
             extra["window"] = cfg.window(i)
         if cfg.attn_softcap:
             extra["softcap"] = cfg.attn_softcap
-        scale = 1.0 / np.sqrt(cfg.head_dim)
+        scale = np.float32(1.0) / np.sqrt(np.float32(cfg.head_dim))  # 1.0f/sqrtf(E) (llama-graph.cpp)
         if cfg.arch.scale_q:  # gemma: Q scaled in f32 before the KQ product (and its f16 rounding in llamacpp)
             q, scale = q * (np.float32(1.0) / np.sqrt(np.float32(cfg.head_dim))), 1.0  # 1.0f / sqrtf(E)
         # a backend may compute attention itself (numba); it defers to the numerics mode where that is not exact

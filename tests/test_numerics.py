@@ -16,7 +16,15 @@ from conformance.compare import nmse
 from conformance.fixtures import TinyLlama, write_tiny_llama
 from ggufpy import ops
 from ggufpy.constants import GGMLType
-from ggufpy.numerics import NUMERICS, _gelu_table, attention_ggml, gelu_tanh_ggml, numerics_mode, rope_angles_ggml
+from ggufpy.numerics import (
+    NUMERICS,
+    _gelu_table,
+    attention_ggml,
+    gelu_tanh_ggml,
+    numerics_mode,
+    rope_angles_ggml,
+    rope_ggml,
+)
 from ggufpy.quants import QUANT_TYPES, dequantize, quantize
 from ggufpy.quants.vecdot import (
     VEC_DOT_TYPE,
@@ -144,8 +152,6 @@ def test_rope_contracts_to_fmas_like_the_compiled_rotation():
     """ggml's `x0*cos - x1*sin` compiled with FMA contraction: fma(x0, cos, -(x1*sin)), exact to one rounding."""
     from fractions import Fraction
 
-    from ggufpy.numerics import rope_ggml
-
     rng = np.random.default_rng(3)
     x = rng.standard_normal((5, 3, 8)).astype(np.float32)
     cos, sin = rope_angles_ggml(np.arange(5), 8, 10000.0)
@@ -195,8 +201,19 @@ def test_gelu_is_the_fp16_table():
 def test_llamacpp_mode_is_registered_with_its_rounding_points():
     mode = numerics_mode("llamacpp")
     assert mode.quantize_activations and mode.kv_dtype == np.float16
-    assert mode.rope_angles is rope_angles_ggml and mode.attention is attention_ggml
-    assert mode.activations["gelu_tanh"] is gelu_tanh_ggml and mode.activations["silu"] is ops.silu
+    assert mode.rope_angles is rope_angles_ggml and mode.rope is rope_ggml and mode.x86_kernels
+    assert mode.attention is not ops.attention and mode.activations["gelu_tanh"] is gelu_tanh_ggml
+    # SiLU and attention replay ggml's own SIMD exp; the attention rounds where attention_ggml does
+    x = np.linspace(-20, 20, 4001, dtype=np.float32).reshape(1, -1)
+    np.testing.assert_allclose(mode.activations["silu"](x), ops.silu(x), rtol=1e-6, atol=1e-30)
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((7, 4, 16), np.float32) for _ in range(3))
+    np.testing.assert_allclose(
+        mode.attention(q, k[:, :2], v[:, :2], 0, 0.25),
+        attention_ggml(q, k[:, :2], v[:, :2], 0, 0.25),
+        rtol=1e-5,
+        atol=1e-6,
+    )
     assert not NUMERICS["exact"].quantize_activations
     with pytest.raises(ValueError, match="available: exact, llamacpp"):
         numerics_mode("fast")

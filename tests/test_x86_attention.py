@@ -27,14 +27,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ggufpy.quants.x86.attention import (
-    attention,
-    attention_parts,
-    n_kv_cells,
-    tanhf_glibc,
-    v_expf_512,
-    vec_soft_max_f32,
-)
+from ggufpy.quants.x86.attention import attention, attention_parts, n_kv_cells, vec_soft_max_f32
+from ggufpy.quants.x86.unary import tanhf_glibc, v_expf_512
 
 GOLDEN = Path(__file__).parent / "data" / "x86" / "attention.npz"
 FIXTURES = Path(__file__).parent.parent / "conformance" / "fixtures"

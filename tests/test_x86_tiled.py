@@ -13,7 +13,6 @@ without it. Record it again with `python tests/test_x86_tiled.py`.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import subprocess
@@ -40,76 +39,10 @@ VEC_DOT = {**kquants.KERNELS, **iquants.KERNELS, **repack.KERNELS}
 # -- the oracle ---------------------------------------------------------------------------------------------------
 
 
-class _InitParams(ctypes.Structure):
-    """`struct ggml_init_params` (ggml.h)."""
-
-    _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", ctypes.c_void_p), ("no_alloc", ctypes.c_bool)]
-
-
-_LIBS = None
-TILED_WS_SLOT = 512 * 1024  # tiled-kernel.h: the per-thread workspace in the mul_mat work buffer
-
-
-def _ggml():
-    global _LIBS
-    if _LIBS is None:
-        import llama_cpp
-
-        lib_dir = Path(llama_cpp.__file__).parent / "lib"
-        base = ctypes.CDLL(str(lib_dir / "libggml-base.so"))
-        cpu = ctypes.CDLL(str(lib_dir / "libggml-cpu.so"))
-        P, size_t, i64 = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int64
-        for fn, args, res in [
-            (base.ggml_init, [_InitParams], P),
-            (base.ggml_free, [P], None),
-            (base.ggml_new_tensor_2d, [P, ctypes.c_int, i64, i64], P),
-            (base.ggml_mul_mat, [P, P, P], P),
-            (base.ggml_new_graph, [P], P),
-            (base.ggml_build_forward_expand, [P, P], None),
-            (base.ggml_get_data, [P], P),
-            (base.ggml_nbytes, [P], size_t),
-            (base.ggml_graph_overhead, [], size_t),
-            (base.ggml_tensor_overhead, [], size_t),
-            (cpu.ggml_graph_compute_with_ctx, [P, P, ctypes.c_int], ctypes.c_int),
-            (cpu.ggml_cpu_init, [], None),
-        ]:
-            fn.argtypes, fn.restype = args, res
-        cpu.ggml_cpu_init()
-        _LIBS = base, cpu
-    return _LIBS
-
-
 def graph_matmul(w_bytes: np.ndarray, w_type: GGMLType, x_f32: np.ndarray, n_threads: int = 1) -> np.ndarray:
-    """llama.cpp's CPU mul_mat of plain-buffer weight rows `w_bytes` u8 (out, row_bytes) by f32 activation rows
-    `x_f32` (T, in): y f32 (T, out). ggml quantizes the activations itself (quantize_row_q8_K)."""
-    base, cpu = _ggml()
-    w_bytes = np.ascontiguousarray(w_bytes, np.uint8)
-    x = np.ascontiguousarray(x_f32, np.float32)
-    T, n = x.shape
-    out = w_bytes.shape[0]
-    # tensors, the work buffer (Q8_K activations + one 512 KB tiled workspace per thread + alignment), slack
-    work = 2 * x.nbytes + n_threads * (TILED_WS_SLOT + 4096) + 4096
-    mem = w_bytes.nbytes + x.nbytes + 4 * T * out + work + base.ggml_graph_overhead()
-    mem += 8 * base.ggml_tensor_overhead() + (1 << 16)
-    ctx = base.ggml_init(_InitParams(mem, None, False))
-    try:
-        w = base.ggml_new_tensor_2d(ctx, int(w_type), n, out)
-        if base.ggml_nbytes(w) != w_bytes.nbytes:
-            raise ValueError(f"{w_bytes.shape} bytes are not {out} rows of {n} {GGMLType(w_type).name} elements")
-        ctypes.memmove(base.ggml_get_data(w), w_bytes.ctypes.data, w_bytes.nbytes)
-        xt = base.ggml_new_tensor_2d(ctx, int(G.F32), n, T)
-        ctypes.memmove(base.ggml_get_data(xt), x.ctypes.data, x.nbytes)
-        y = base.ggml_mul_mat(ctx, w, xt)
-        graph = base.ggml_new_graph(ctx)
-        base.ggml_build_forward_expand(graph, y)
-        status = cpu.ggml_graph_compute_with_ctx(ctx, graph, n_threads)
-        if status != 0:
-            raise RuntimeError(f"ggml_graph_compute_with_ctx returned {status}")
-        result = np.empty((T, out), np.float32)
-        ctypes.memmove(result.ctypes.data, base.ggml_get_data(y), result.nbytes)
-        return result
-    finally:
-        base.ggml_free(ctx)
+    from conformance.ggml_graph import ggml_graph_matmul
+
+    return ggml_graph_matmul(w_bytes, w_type, x_f32, n_threads=n_threads)
 
 
 def _atoi(name: str, default: int) -> int:

@@ -23,7 +23,7 @@ import numpy as np
 
 from .. import ops
 from ..constants import GGMLType
-from ..numerics import NUMERICS, Numerics
+from ..numerics import NUMERICS, Numerics, attention_ggml
 from ..weights import QuantTensor
 from . import activations as act
 from . import ops as kernel_ops
@@ -231,7 +231,12 @@ class NumbaBackend:
             extra = {"window": window} if window is not None else {}
             if softcap:
                 extra["softcap"] = softcap
-            return self.numerics.attention(q, k, v, start, scale, **extra)
+            attention = self.numerics.attention
+            if self.numerics.x86_kernels and attention is NUMERICS["llamacpp"].attention:
+                # the replay of ggml's x86 attention kernels is slow NumPy and only pays off next to the
+                # replayed matmuls of the NumPy backend; these kernels sum in their own order anyway
+                attention = attention_ggml
+            return attention(q, k, v, start, scale, **extra)
         macs = q.shape[0] * q.shape[1] * k.shape[0] * q.shape[2]
         threads = 1 if macs < ATTENTION_PARALLEL_MIN else self._threads_for(macs)
         return _attention(q, k, v, start, scale, window, softcap, threads=threads)

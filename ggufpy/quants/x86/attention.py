@@ -1,7 +1,7 @@
 """Bit-exact NumPy emulation of llama.cpp's attention without flash attention, on this x86 AVX-512 build.
 
-What llama.cpp runs (src/llama-graph.cpp `build_attn_mha`, flash attention off, f16 KV cache in the `v_trans`
-layout, the whole prompt in one ubatch), per query head h of KV group g = h // (H/G):
+What llama.cpp runs for one ubatch of T queries (src/llama-graph.cpp `build_attn_mha`, flash attention off,
+f16 KV cache in the `v_trans` layout), per query head h of KV group g = h // (H/G):
 
     kq   = mul_mat(K_g, fp16(Q_h))          K_g: (n_kv, E) f16 cache rows; Q rounded to f16, the vec_dot type
                                             of F16 (ggml-cpu.c `ggml_compute_forward_mul_mat`: Q's permuted view
@@ -15,6 +15,7 @@ multiple of 16 and the output one of 4, else `ggml_vec_dot_f16`). The cache is p
 `get_n_kv` gives n_kv = min(cache size, max(256, GGML_PAD(used cells, 256))); the cells past the S used ones
 hold zeros in a fresh cache and are masked with -inf. n_kv decides which F16 kernel runs and how the softmax
 sums, so K and V are zero-padded to n_kv before the products, and every output is computed over n_kv columns.
+`attention` returns kqv_out; `attention_parts` also returns kq and kq_soft_max, as llama.cpp's graph holds them.
 
 soft_max_ext, per row of n_kv scores (ops.cpp `ggml_compute_forward_soft_max_f32`):
 
@@ -45,7 +46,8 @@ from __future__ import annotations
 import numpy as np
 
 from .llamafile import matmul_f16
-from .simd import fma, reduce_add_ps_512
+from .simd import reduce_add_ps_512
+from .unary import tanhf_glibc, v_expf_512
 
 __all__ = [
     "KV_PAD",
@@ -53,52 +55,12 @@ __all__ = [
     "attention_parts",
     "n_kv_cells",
     "soft_max_ext",
-    "tanhf_glibc",
-    "v_expf_512",
     "vec_soft_max_f32",
 ]
 
 KV_PAD = 256  # llama-kv-cache.cpp `get_n_kv`: n_pad_cur = max(n_pad, 256)
 
 _f32 = np.float32
-
-
-# -- ggml_v_expf, AVX-512 branch (ggml-cpu/vec.h) ----------------------------------------------------------------
-
-_EXP_SHIFT = _f32(float.fromhex("0x1.8p23"))  # adding it rounds to an integer (|x / ln 2| < 2^22)
-_LOG2E = _f32(float.fromhex("0x1.715476p+0"))
-_LN2_HI = _f32(float.fromhex("0x1.62e4p-1"))
-_LN2_LO = _f32(float.fromhex("0x1.7f7d1cp-20"))
-_C1 = _f32(float.fromhex("0x1.ffffecp-1"))
-_C2 = _f32(float.fromhex("0x1.fffdb6p-2"))
-_C3 = _f32(float.fromhex("0x1.555e66p-3"))
-_C4 = _f32(float.fromhex("0x1.573e2ep-5"))
-_C5 = _f32(float.fromhex("0x1.0e4020p-7"))
-
-
-def v_expf_512(x: np.ndarray) -> np.ndarray:
-    """vec.h `ggml_v_expf(__m512)` elementwise on f32 (the lane function; every lane is independent).
-
-    -inf (a masked score) gives n = -inf, |n| > 192, so 0, as in the C code (whose NaN intermediates are
-    discarded by the final blend); here the non-finite lanes are computed on 0 and then replaced."""
-    x = np.asarray(x, _f32)
-    finite = np.isfinite(x)
-    xs = np.where(finite, x, _f32(0))
-    z = fma(xs, _LOG2E, _EXP_SHIFT)
-    n = z - _EXP_SHIFT
-    b = fma(-n, _LN2_LO, fma(-n, _LN2_HI, xs))  # _mm512_fnmadd_ps(a, b, c) = -(a*b) + c, one rounding
-    u = b * b
-    j = fma(fma(fma(_C5, b, _C4), u, fma(_C3, b, _C2)), u, fma(_C1, b, _f32(1)))
-    # _mm512_scalef_ps(j, n) = j * 2^floor(n), rounded once (n is an integer here). j * 2^n is exact in float64
-    # for |n| <= 192 (j has 24 bits; 2^-192 is far above float64's subnormals), so the cast is the one rounding,
-    # also into the f32 subnormal range.
-    big = np.abs(n) > 192
-    with np.errstate(over="ignore"):
-        res = (j.astype(np.float64) * np.exp2(np.where(big, 0, n).astype(np.float64))).astype(_f32)
-    nn = np.where(finite, n, x)  # n of a non-finite lane: -inf for -inf, +inf for +inf (NaN stays NaN below)
-    alt = np.where(nn <= 0, _f32(0), _f32(np.inf))
-    out = np.where(big | ~finite, alt, res)
-    return np.where(np.isnan(x), x, out)
 
 
 # -- soft_max_ext (ggml-cpu/ops.cpp ggml_compute_forward_soft_max_f32) ----------------------------------------------
@@ -144,83 +106,6 @@ def soft_max_ext(kq: np.ndarray, mask: np.ndarray | None, scale: float) -> np.nd
     return e * inv[..., None]
 
 
-# -- glibc 2.36 tanhf -------------------------------------------------------------------------------------------
-
-
-def _bits(x: np.ndarray) -> np.ndarray:
-    return np.asarray(x, _f32).view(np.int32)
-
-
-def _from_bits(i: np.ndarray) -> np.ndarray:
-    return np.asarray(i, np.int32).view(_f32)
-
-
-def _expm1f_glibc(x: np.ndarray) -> np.ndarray:
-    """glibc 2.36 sysdeps/ieee754/flt-32/s_expm1f.c `__expm1f` on finite f32 with |x| < 88 (all tanhf passes),
-    every operation an f32 one in the C order. All branches are evaluated and selected with np.where."""
-    x = np.asarray(x, _f32)
-    one, half = _f32(1), _f32(0.5)
-    hx = _bits(x) & 0x7FFFFFFF
-    neg = x < 0  # xsb != 0 (x is never -0 here: tanhf returns early for 0)
-    ln2_hi, ln2_lo, invln2 = _f32(6.9313812256e-01), _f32(9.0580006145e-06), _f32(1.4426950216e00)
-    # argument reduction, |x| > 0.5 ln2
-    near = hx < 0x3F851592  # |x| < 1.5 ln2: k = +-1
-    kf = (invln2 * x + np.where(neg, -half, half)).astype(np.int32)  # C float -> int32 conversion truncates
-    k = np.where(near, np.where(neg, -1, 1), kf).astype(np.int32)
-    t = k.astype(_f32)
-    hi = np.where(near, np.where(neg, x + ln2_hi, x - ln2_hi), x - t * ln2_hi)
-    lo = np.where(near, np.where(neg, -ln2_lo, ln2_lo), t * ln2_lo)
-    reduce = hx > 0x3EB17218
-    xr = np.where(reduce, hi - lo, x)
-    c = np.where(reduce, (hi - xr) - lo, _f32(0))
-    k = np.where(reduce, k, 0)
-    x = xr
-    # x is now in the primary range
-    hfx = half * x
-    hxs = x * hfx
-    q1, q2, q3, q4, q5 = (_f32(v) for v in (-3.3333335072e-02, 1.5873016091e-03, -7.9365076090e-05,
-                                            4.0082177293e-06, -2.0109921195e-07))  # fmt: skip
-    r1 = one + hxs * (q1 + hxs * (q2 + hxs * (q3 + hxs * (q4 + hxs * q5))))
-    t = _f32(3) - r1 * hfx
-    e = hxs * ((r1 - t) / (_f32(6) - x * t))
-    res_k0 = x - (x * e - hxs)
-    e = x * (e - c) - c
-    e = e - hxs
-    res_km1 = half * (x - e) - half
-    res_k1 = np.where(x < _f32(-0.25), -_f32(2) * (e - (x + half)), one + _f32(2) * (x - e))
-    shift = (k << 23).astype(np.int32)  # `SET_FLOAT_WORD(y, i + (k<<23))`: add k to y's exponent
-    res_far = _from_bits(_bits(one - (e - x)) + shift) - one  # k <= -2 or k > 56
-    kc = np.clip(k, 0, 31)
-    t_small = _from_bits(np.int32(0x3F800000) - (np.int32(0x1000000) >> kc))  # 1 - 2^-k, 1 <= k < 23
-    res_small = _from_bits(_bits(t_small - (e - x)) + shift)
-    t_large = _from_bits((np.int32(0x7F) - np.clip(k, 0, 127)) << 23)  # 2^-k, 23 <= k <= 56
-    res_large = _from_bits(_bits((x - (e + t_large)) + one) + shift)
-    res = np.where(k == 0, res_k0, np.where(k == -1, res_km1, np.where(k == 1, res_k1, res_far)))
-    res = np.where((k >= 2) & (k < 23), res_small, res)
-    res = np.where((k >= 23) & (k <= 56), res_large, res)
-    # |x| < 2^-25: x itself; x < -27 ln2: -1 (tiny - one rounds to -1.0f)
-    res = np.where(hx < 0x33000000, x, res)
-    return np.where(neg & (hx >= 0x4195B844), _f32(-1), res)
-
-
-def tanhf_glibc(x: np.ndarray) -> np.ndarray:
-    """glibc 2.36 `tanhf` (sysdeps/ieee754/flt-32/s_tanhf.c, fdlibm): for 2^-55 <= |x| < 22,
-    |x| >= 1: 1 - 2/(expm1f(2|x|) + 2), else -t/(t + 2) with t = expm1f(-2|x|), sign restored; |x| >= 22:
-    1 - 1e-30 = 1; tiny |x|: x * (1 + x) = x; +-inf: +-1; NaN: NaN. Every operation in f32."""
-    x = np.asarray(x, _f32)
-    ix = _bits(x) & 0x7FFFFFFF
-    ax = np.abs(x)
-    with np.errstate(all="ignore"):
-        mid = (ix >= 0x24000000) & (ix < 0x41B00000)
-        arg = np.where(ix >= 0x3F800000, _f32(2) * ax, -_f32(2) * ax)  # 2|x| exact
-        t = _expm1f_glibc(np.where(mid, arg, _f32(1)))
-        z = np.where(ix >= 0x3F800000, _f32(1) - _f32(2) / (t + _f32(2)), -t / (t + _f32(2)))
-        z = np.where(ix >= 0x41B00000, _f32(1), z)  # |x| >= 22 (and inf: 1/x + 1 = 1)
-        z = np.where(x < 0, -z, z)
-        small = ix < 0x24000000  # x = +-0 returns x; 0 < |x| < 2^-55: x * (1 + x), 1 + x rounds to 1
-        return np.where(small | np.isnan(x), x, z)
-
-
 # -- attention --------------------------------------------------------------------------------------------------
 
 
@@ -247,6 +132,49 @@ def _f16_rows(x: np.ndarray) -> np.ndarray:
         return np.asarray(x, _f32).astype(np.float16)  # ggml_cpu_fp32_to_fp16: nearest even
 
 
+def _f16_matmul(w: np.ndarray, a: np.ndarray) -> np.ndarray:
+    """F16 mul_mat of f16 rows w (O, n) by the f16 rows a (r, T, n) of the r query heads that share w:
+    (r, T, O). ggml runs one mul_mat per head; which kernel it takes depends on T only through T >= 2
+    (`llamafile_sgemm` declines T < 2) and tinyBLAS computes every element alike whatever the tiling, so for
+    T >= 2 the heads' rows go to `matmul_f16` together."""
+    r, T, n = a.shape
+    if T >= 2:
+        return matmul_f16(w, a.reshape(r * T, n)).reshape(r, T, -1)
+    return np.stack([matmul_f16(w, a[h]) for h in range(r)])
+
+
+def _attention_groups(q, k, v, start, scale, window, softcap, n_kv):
+    """Yield (g, kq, kq_soft_max, kqv) for each KV group g: (r, T, n_kv), (r, T, n_kv), (r, T, E) for its
+    r = H/G query heads (ggml_mul_mat broadcasting: query head h reads K/V group h // r). One group at a time
+    bounds the temporaries."""
+    T, H, E = q.shape
+    S, G, _ = k.shape
+    if v.shape != k.shape or H % G:
+        raise ValueError(f"q {q.shape}, k {k.shape}, v {v.shape}: need k, v (S, G, E) with G dividing H")
+    if S < start + T:
+        raise ValueError(f"{S} cached positions cannot hold queries at positions {start}..{start + T - 1}")
+    if n_kv < S:
+        raise ValueError(f"n_kv = {n_kv} cells cannot hold {S} positions")
+    r = H // G
+    q16 = _f16_rows(q).reshape(T, G, r, E)  # mul_mat converts the f32 queries to F16's vec_dot type
+    k16, v16 = _f16_rows(k), _f16_rows(v)  # the f16 cache
+    mask = _mask(start, T, S, n_kv, window)  # (T, n_kv), the same for every head
+    for g in range(G):
+        kc = np.zeros((n_kv, E), np.float16)  # the K cache view: n_kv rows of E, zeros past S
+        kc[:S] = k16[:, g]
+        kq = _f16_matmul(kc, q16[:, g].transpose(1, 0, 2))  # (r, T, n_kv)
+        if softcap:
+            cap = _f32(softcap)
+            kq = kq * (_f32(1) / cap)  # ggml_scale(kq, 1.0f / cap): the reciprocal in f32, then f32 multiplies
+            kq = tanhf_glibc(kq)  # ggml_tanh: libm `tanhf` per element
+            kq = kq * cap  # ggml_scale(kq, cap)
+        probs = np.stack([soft_max_ext(kq[h], mask, scale) for h in range(r)])  # a head at a time: FMA buffers
+        vt = np.zeros((E, n_kv), np.float16)  # the transposed V cache view: E rows of n_kv cells
+        vt[:, :S] = v16[:, g].T
+        kqv = _f16_matmul(vt, probs.astype(np.float16))  # mul_mat converts kq_soft_max to f16: (r, T, E)
+        yield g, kq, probs, kqv
+
+
 def attention_parts(
     q: np.ndarray,
     k: np.ndarray,
@@ -257,54 +185,18 @@ def attention_parts(
     softcap: float | None = None,
     n_kv: int | None = None,
 ) -> dict[str, np.ndarray]:
-    """`attention` with its intermediate tensors, named as llama.cpp's graph nodes: kq (H, T, n_kv) (after the
-    softcap, if any: llama.cpp's `kq_scaled_2`), kq_soft_max (H, T, n_kv) f32, kqv_out (T, H*E) f32.
-    `n_kv` overrides the padded cache length (default `n_kv_cells(S)`)."""
+    """`attention` with its intermediate tensors, as llama.cpp's graph nodes hold them: kq (H, T, n_kv) f32
+    (after the softcap, if any: llama.cpp's `kq_scaled_2-N`, else `kq-N`), kq_soft_max (H, T, n_kv) f32 and
+    kqv_out (T, H*E) f32. `n_kv` overrides the number of cache cells read (default `n_kv_cells(S)`)."""
     T, H, E = q.shape
-    S, G, _ = k.shape
-    if v.shape != k.shape or H % G:
-        raise ValueError(f"q {q.shape}, k {k.shape}, v {v.shape}: need k, v (S, G, E) with G dividing H")
-    if S < start + T:
-        raise ValueError(f"{S} cached positions cannot hold queries at positions {start}..{start + T - 1}")
-    n_kv = n_kv_cells(S) if n_kv is None else n_kv
-    if n_kv < S:
-        raise ValueError(f"n_kv = {n_kv} cells cannot hold {S} positions")
-    r = H // G
-    k16 = np.zeros((G, n_kv, E), np.float16)  # the K cache view per group: n_kv rows of E (zeros past S)
-    k16[:, :S] = _f16_rows(k).transpose(1, 0, 2)
-    vt16 = np.zeros((G, E, n_kv), np.float16)  # the transposed V cache view per group: E rows of n_kv
-    vt16[:, :, :S] = _f16_rows(v).transpose(1, 2, 0)
-    q16 = _f16_rows(q)  # (T, H, E): mul_mat converts the f32 queries to F16's vec_dot type
-
+    n_kv = n_kv_cells(k.shape[0]) if n_kv is None else n_kv
+    r = H // k.shape[1]
     kq = np.empty((H, T, n_kv), _f32)
-    for g in range(G):
-        heads = slice(g * r, (g + 1) * r)  # ggml_mul_mat broadcast: query head h reads K group h / (H/G)
-        if T >= 2:  # tinyBLAS' choice depends on T only through T >= 2: the group's heads can share one call
-            a = q16[:, heads].transpose(1, 0, 2).reshape(r * T, E)
-            kq[heads] = matmul_f16(k16[g], a).reshape(r, T, n_kv)
-        else:
-            for h in range(g * r, (g + 1) * r):
-                kq[h] = matmul_f16(k16[g], q16[:, h])
-    if softcap:
-        cap = _f32(softcap)
-        kq = kq * (_f32(1) / cap)  # ggml_scale(kq, 1.0f / cap): the reciprocal in f32, then f32 multiplies
-        kq = tanhf_glibc(kq)  # ggml_tanh: `tanhf` per element
-        kq = kq * cap  # ggml_scale(kq, cap)
-
-    mask = _mask(start, T, S, n_kv, window)  # (T, n_kv), shared by every head
     probs = np.empty((H, T, n_kv), _f32)
-    for h in range(H):  # one head at a time bounds the float64 temporaries of the FMAs
-        probs[h] = soft_max_ext(kq[h], mask, scale)
-
-    p16 = probs.astype(np.float16)  # mul_mat converts kq_soft_max to f16 (exact range: 0 <= p <= 1)
     out = np.empty((T, H, E), _f32)
-    for g in range(G):
+    for g, kq_g, probs_g, kqv_g in _attention_groups(q, k, v, start, scale, window, softcap, n_kv):
         heads = slice(g * r, (g + 1) * r)
-        if T >= 2:
-            out[:, heads] = matmul_f16(vt16[g], p16[heads].reshape(r * T, n_kv)).reshape(r, T, E).transpose(1, 0, 2)
-        else:
-            for h in range(g * r, (g + 1) * r):
-                out[:, h] = matmul_f16(vt16[g], p16[h])
+        kq[heads], probs[heads], out[:, heads] = kq_g, probs_g, kqv_g.transpose(1, 0, 2)
     return {"kq": kq, "kq_soft_max": probs, "kqv_out": out.reshape(T, H * E)}
 
 
@@ -317,12 +209,21 @@ def attention(
     window: int | None = None,
     softcap: float | None = None,
 ) -> np.ndarray:
-    """llama.cpp's non-flash attention on x86, bit for bit (`numerics.attention_ggml`'s contract): q (T, H, E)
-    f32 queries at positions start..start+T-1 (after RoPE, and for gemma after the f32 Q scaling); k, v
-    (S, G, E) the keys and values of positions 0..S-1 (rounded to f16 here, as the cache stores them);
-    `scale` the soft_max scale (llama.cpp's `kq_scale`, used as an f32); `window` the sliding window;
-    `softcap` gemma2's attention logit softcap. Returns kqv_out (T, H*E) f32.
+    """llama.cpp's non-flash attention on x86, bit for bit, with `numerics.attention_ggml`'s contract:
+    q (T, H, E) f32 queries at positions start..start+T-1 (after RoPE, and for gemma after the f32 Q
+    scaling); k, v (S, G, E) the keys and values of positions 0..S-1 (rounded to f16 here, as the cache stores
+    them); `window` the sliding window; `softcap` gemma2's attention logit softcap. Returns kqv_out
+    (T, H*E) f32, the heads side by side (`ggml_cont_2d` of the permuted kqv).
 
-    Assumes the cache holds exactly positions 0..S-1 in cells 0..S-1 (a prompt, then single-token steps, no
-    more than the cache size), so that n_kv = max(256, GGML_PAD(S, 256))."""
-    return attention_parts(q, k, v, start, scale, window, softcap)["kqv_out"]
+    `scale` is used as an f32: pass llama.cpp's `kq_scale` as it computes it, `np.float32(1) /
+    np.sqrt(np.float32(E))` (1.0f/sqrtf(E)); float32(1/sqrt(E)) from a float64 differs in the last bit for
+    E = 24, 96, 112, ... and then kq_soft_max no longer matches.
+
+    Assumes the cache holds exactly positions 0..S-1 in cells 0..S-1 (a prompt, then further ubatches, within
+    the cache size; so n_kv = max(256, GGML_PAD(S, 256))) and zeros in the cells past S."""
+    T, H, E = q.shape
+    out = np.empty((T, H, E), _f32)
+    r = H // k.shape[1]
+    for g, _, _, kqv in _attention_groups(q, k, v, start, scale, window, softcap, n_kv_cells(k.shape[0])):
+        out[:, g * r : (g + 1) * r] = kqv.transpose(1, 0, 2)
+    return out.reshape(T, H * E)
