@@ -57,9 +57,6 @@ FLOAT_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16)
 TILE_BYTES = 4 << 20  # dense f32 tile for the BLAS path: a few MB stays in L2/L3
 BLAS_ROWS = 16  # prefill of this many rows or more goes through BLAS (measured crossover: 8-16 rows)
 PARALLEL_MIN = 0  # multiply-adds below which a product runs on one thread (see docs/kernels.md)
-# Decode attention over a short cache is a few microseconds of work: one thread beats a fork-join
-# (SmolLM2 at 128 positions, 9 heads: 17 us on one thread, 22 us on two).
-ATTENTION_PARALLEL_MIN = 1 << 20
 
 
 class CpuContention:
@@ -237,8 +234,7 @@ class NumbaBackend:
                 # replayed matmuls of the NumPy backend; these kernels sum in their own order anyway
                 attention = attention_ggml
             return attention(q, k, v, start, scale, **extra)
-        macs = q.shape[0] * q.shape[1] * k.shape[0] * q.shape[2]
-        threads = 1 if macs < ATTENTION_PARALLEL_MIN else self._threads_for(macs)
+        threads = self._threads_for(q.shape[0] * q.shape[1] * k.shape[0] * q.shape[2])
         return _attention(q, k, v, start, scale, window, softcap, threads=threads)
 
     # The per-token glue, for a transformer that asks its backend (`getattr(backend, "rms_norm", ops.rms_norm)`):
