@@ -455,6 +455,21 @@ def test_linears_equal_separate_products_and_share_memory(t, numerics, n_rows):
 
 
 @needs_numba
+def test_linears_stack_the_weights_of_one_type_in_a_mix():
+    """Q and K in Q5_0, V in Q8_0 (llama.cpp's Q4_K_M recipe on SmolLM2): Q and K share a kernel call, V
+    has its own; outputs come back in order and equal the separate products."""
+    ws = (random_weight(T.Q5_0, 128, 64, seed=1), random_weight(T.Q8_0, 64, 64, seed=2))
+    ws = (ws[0], ws[1], random_weight(T.Q5_0, 64, 64, seed=3))
+    x = np.random.default_rng(4).standard_normal((1, 64)).astype(np.float32)
+    be = NumbaBackend(release_pages=False)
+    got = be.linears(x, ws)
+    groups = be._stacks[ws]
+    assert sorted(members for members, _ in groups) == [(0, 2), (1,)]
+    for g, w in zip(got, ws, strict=True):
+        np.testing.assert_array_equal(g, NumbaBackend(release_pages=False).linear(x, w))
+
+
+@needs_numba
 def test_transformer_uses_compiled_activations_only_for_the_plain_functions(monkeypatch):
     """The numba SiLU replaces ops.silu in the exact numerics; a numerics record with its own activation
     (llama.cpp's fp16-table GELU) is obeyed."""

@@ -134,7 +134,7 @@ class NumbaBackend:
         self.release_pages = release_pages
         self._packed: dict[QuantTensor, Packed] = {}  # keyed by identity (QuantTensor has eq=False)
         self._plans: dict[QuantTensor, tuple] = {}
-        self._stacks: dict[tuple[QuantTensor, ...], tuple | None] = {}  # linears(): weights stacked
+        self._stacks: dict[tuple[QuantTensor, ...], list] = {}  # linears(): weights stacked by type
         self._tile = np.empty(0, np.float32)
 
     # -- the Backend contract ------------------------------------------------------------------------------
@@ -157,18 +157,41 @@ class NumbaBackend:
 
         Weights of one packed type and width are stacked into one packed weight the first time (their
         separate packed forms become views of it, so memory does not grow): one kernel call then covers all
-        of them, which saves the per-call cost and balances small matrices over the threads."""
-        stack = self._stacks.get(ws)
-        if stack is None:
-            stack = self._stacks[ws] = self._stack(ws)
-        if not stack:
-            return [self.linear(x, w) for w in ws]
+        of them, which saves the per-call cost and balances small matrices over the threads. A mix (Q and K
+        in Q5_0, V in Q8_0) stacks what it can."""
+        groups = self._stacks.get(ws)
+        if groups is None:
+            groups = self._stacks[ws] = self._stack_groups(ws)
         x = np.ascontiguousarray(x, dtype=np.float32)
-        if x.ndim != 2 or x.shape[1] != ws[0].shape[-1]:
-            raise ValueError(f"{ws[0].name}: activations of shape {x.shape} do not fit weights of shape {ws[0].shape}")
-        p, planned, spans = stack
-        y = self._product(x, p, planned)  # (T, G*64) over the stacked groups
-        return [y[:, lo : lo + rows] for lo, rows in spans]
+        out: list[np.ndarray | None] = [None] * len(ws)
+        for members, stack in groups:
+            if stack is None:
+                (i,) = members
+                out[i] = self.linear(x, ws[i])
+                continue
+            if x.ndim != 2 or x.shape[1] != ws[members[0]].shape[-1]:
+                w = ws[members[0]]
+                raise ValueError(f"{w.name}: activations of shape {x.shape} do not fit weights of shape {w.shape}")
+            p, planned, spans = stack
+            y = self._product(x, p, planned)  # (T, G*64) over the stacked groups
+            for i, (lo, rows) in zip(members, spans, strict=True):
+                out[i] = y[:, lo : lo + rows]
+        return out
+
+    def _stack_groups(self, ws: tuple[QuantTensor, ...]) -> list[tuple[tuple[int, ...], tuple | None]]:
+        """[(indices into ws, their stack or None)]: weights grouped by (type, width), each group of two or
+        more stacked (when their scale storage agrees)."""
+        by_kind: dict[tuple, list[int]] = {}
+        for i, w in enumerate(ws):
+            by_kind.setdefault((w.type, w.shape[-1], len(w.shape)), []).append(i)
+        groups = []
+        for members in by_kind.values():
+            stack = self._stack(tuple(ws[i] for i in members)) if len(members) > 1 else None
+            if stack is None:
+                groups += [((i,), None) for i in members]
+            else:
+                groups.append((tuple(members), stack))
+        return groups
 
     def _product(self, x: np.ndarray, p: Packed, planned: tuple) -> np.ndarray:
         mode = VEC_DOT[p.type] if self.numerics.quantize_activations else act.EXACT
@@ -179,7 +202,7 @@ class NumbaBackend:
 
     def _stack(self, ws: tuple[QuantTensor, ...]) -> tuple | None:
         """(stacked Packed, its plan, [(first output column, rows)] per weight), or None when `ws` cannot
-        share one kernel (types, widths or scale storage differ)."""
+        share one kernel (types, widths or scale storage differ, or float weights, which are not packed)."""
         if len({(w.type, w.shape[-1], len(w.shape)) for w in ws}) != 1 or ws[0].type in FLOAT_TYPES:
             return None
         parts = [self.packed(w) for w in ws]
