@@ -39,8 +39,8 @@ class Model:
         self.numerics = numerics
         # per-token glue a backend may compute faster (numba); the same f32 steps as the NumPy reference
         self.rms_norm = getattr(backend, "rms_norm", ops.rms_norm)
-        self.fast_rope = getattr(backend, "rope", ops.rope)
-        self.fast_activations = getattr(backend, "fast_activations", {})
+        # reference functions a backend computes compiled, with the same f32 steps (`NumbaBackend.compiled`)
+        self.compiled = getattr(backend, "compiled", {})
         self.weights = weights
         self.backend = backend
         self.tokenizer = tokenizer
@@ -147,9 +147,7 @@ class Model:
         if w.attn_q_norm is not None:
             q = self.rms_norm(q, w.attn_q_norm, cfg.norm_eps)
             k = self.rms_norm(k, w.attn_k_norm, cfg.norm_eps)
-        rope = self.numerics.rope
-        if rope is ops.rope:  # the plain f32 rotation: a backend may run the same steps compiled
-            rope = self.fast_rope
+        rope = self.compiled.get(self.numerics.rope, self.numerics.rope)
         q = rope(q, cos, sin, cfg.arch.rope_style)
         k = rope(k, cos, sin, cfg.arch.rope_style)
         _record(trace, f"Qcur-{i}", q)
@@ -188,8 +186,7 @@ class Model:
         """Gated feed-forward: down(act(gate(x)) * up(x))."""
         name = self.config.arch.activation
         act = self.numerics.activations[name]
-        if act is ops.ACTIVATIONS[name]:  # the plain f32 function: a backend may run the same steps compiled
-            act = self.fast_activations.get(name, act)
+        act = self.compiled.get(act, act)
         gate, up = linears(self.backend, x, (w.ffn_gate, w.ffn_up))  # (T, F) each
         return self.backend.linear(act(gate) * up, w.ffn_down)
 

@@ -475,10 +475,11 @@ def test_transformer_uses_compiled_activations_only_for_the_plain_functions(monk
     (llama.cpp's fp16-table GELU) is obeyed."""
     import ggufpy
     from conformance import fixtures as fx
+    from ggufpy import ops
     from ggufpy.kernels import ops as kops
 
     calls = []
-    monkeypatch.setitem(NumbaBackend.fast_activations, "silu", lambda x: calls.append(x.shape) or kops.silu(x))
+    monkeypatch.setitem(NumbaBackend.compiled, ops.silu, lambda x: calls.append(x.shape) or kops.silu(x))
     model = ggufpy.load(fx.fixture_path("q4_0"), backend="numba", tokenizer=False)
     model.logits([5, 6])
     assert len(calls) == model.config.n_layers

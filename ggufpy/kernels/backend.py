@@ -18,6 +18,7 @@ import os
 import time
 from collections.abc import Iterable
 from dataclasses import replace
+from typing import ClassVar
 
 import numpy as np
 
@@ -262,11 +263,14 @@ class NumbaBackend:
 
     # The per-token glue, for a transformer that asks its backend (`getattr(backend, "rms_norm", ops.rms_norm)`):
     rms_norm = staticmethod(kernel_ops.rms_norm)  # the same f32 steps as ops.rms_norm, in both numerics modes
-    rope = staticmethod(kernel_ops.rope)
 
-    # compiled versions of the plain f32 activations (`ops.ACTIVATIONS`): the transformer uses one only where
-    # the numerics hold the plain function (not, e.g., llama.cpp's fp16-table GELU)
-    fast_activations = kernel_ops.ACTIVATIONS
+    # Reference functions of the numerics records -> compiled functions with the same f32 steps, which the
+    # transformer calls instead (`Model.compiled`); a numerics record holding some other function is obeyed.
+    compiled: ClassVar[dict] = {
+        ops.rope: kernel_ops.rope,
+        ops.silu: kernel_ops.silu,
+        ops.gelu_tanh: kernel_ops.gelu_tanh,
+    }
 
     # -- weights -------------------------------------------------------------------------------------------
     def packed(self, w: QuantTensor) -> Packed:
