@@ -13,7 +13,17 @@ import numba
 import numpy as np
 from numba import prange
 
-__all__ = ["DISABLED", "default_threads", "get_threads", "half_to_float", "jit", "prange", "set_threads", "use_threads"]
+__all__ = [
+    "DISABLED",
+    "default_threads",
+    "fma_f32",
+    "get_threads",
+    "half_to_float",
+    "jit",
+    "prange",
+    "set_threads",
+    "use_threads",
+]
 
 DISABLED = bool(numba.config.DISABLE_JIT)
 
@@ -91,11 +101,50 @@ def _half_to_float_intrinsic():
     return half_bits_to_float
 
 
+def _fma_f32_intrinsic():
+    from llvmlite import ir
+    from numba.core import types
+    from numba.extending import intrinsic
+
+    @intrinsic
+    def fma_f32_llvm(typingctx, a, b, c):
+        """a*b + c on float32, rounded once: LLVM's `llvm.fma.f32` (one `vfmadd` on FMA CPUs, else libm's
+        fmaf). Never fused or split by fastmath flags, unlike `a * b + c` with `contract`."""
+
+        def codegen(context, builder, signature, args):
+            f32 = ir.FloatType()
+            fn = builder.module.declare_intrinsic("llvm.fma", [f32], ir.FunctionType(f32, [f32, f32, f32]))
+            return builder.call(fn, list(args))
+
+        return types.float32(types.float32, types.float32, types.float32), codegen
+
+    return fma_f32_llvm
+
+
+def _fma_f32_python(a, b, c):
+    """Exact f32 FMA in plain Python (NUMBA_DISABLE_JIT): the float64 product of two f32 values is exact;
+    the float64 sum, rounded to odd with the TwoSum error, then rounds to f32 as one rounding of a*b + c."""
+    import math
+
+    a, b, c = float(np.float32(a)), float(np.float32(b)), float(np.float32(c))
+    p = a * b
+    s = p + c
+    if math.isfinite(s) and math.isfinite(p) and math.isfinite(c):
+        bv = s - p
+        err = (p - (s - bv)) + (c - bv)
+        if err != 0 and (np.float64(s).view(np.uint64) & 1) == 0:
+            s = math.nextafter(s, math.inf if err > 0 else -math.inf)
+    with np.errstate(over="ignore"):
+        return np.float32(s)
+
+
 if DISABLED:
 
     def half_to_float(bits):
         """fp16 bits -> float32 (exact)."""
         return np.uint16(bits).view(np.float16).astype(np.float32)
+
+    fma_f32 = _fma_f32_python
 
     def use_threads(n: int) -> int:
         previous = numba.get_num_threads()
@@ -110,6 +159,13 @@ else:
     def half_to_float(bits):
         """fp16 bits (uint16) -> float32, exactly (inf and NaN included)."""
         return _half_bits_to_float(np.uint16(bits))
+
+    _fma_f32_llvm = _fma_f32_intrinsic()
+
+    @numba.njit(cache=True, nogil=True, inline="always")
+    def fma_f32(a, b, c):
+        """fma(a, b, c) = a*b + c with one rounding to float32 (`_mm512_fmadd_ps` / `vfmadd231ss`)."""
+        return _fma_f32_llvm(np.float32(a), np.float32(b), np.float32(c))
 
     @numba.njit(cache=True, nogil=True, inline="always")
     def use_threads(n):

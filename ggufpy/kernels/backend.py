@@ -24,9 +24,10 @@ import numpy as np
 
 from .. import ops
 from ..constants import GGMLType
-from ..numerics import NUMERICS, Numerics, attention_ggml
+from ..numerics import NUMERICS, Numerics, attention_ggml, rope_ggml
 from ..weights import QuantTensor
 from . import activations as act
+from . import glue_ggml
 from . import ops as kernel_ops
 from ._numba import set_threads
 from .attention import attention as _attention
@@ -253,9 +254,13 @@ class NumbaBackend:
             if softcap:
                 extra["softcap"] = softcap
             attention = self.numerics.attention
-            if self.numerics.x86_kernels and attention is NUMERICS["llamacpp"].attention:
+            if attention is NUMERICS["llamacpp"].attention:
                 # the replay of ggml's x86 attention kernels is slow NumPy and only pays off next to the
-                # replayed matmuls of the NumPy backend; these kernels sum in their own order anyway
+                # replayed matmuls of the NumPy backend (these kernels sum in their own order anyway): its
+                # rounding points instead, compiled for decode, NumPy's during a BLAS prefill
+                if not self._use_blas(q.shape[0]):
+                    threads = self._threads_for(q.shape[0] * q.shape[1] * k.shape[0] * q.shape[2])
+                    return glue_ggml.attention(q, k, v, start, scale, window, softcap, threads=threads)
                 attention = attention_ggml
             return attention(q, k, v, start, scale, **extra)
         threads = self._threads_for(q.shape[0] * q.shape[1] * k.shape[0] * q.shape[2])
@@ -270,6 +275,8 @@ class NumbaBackend:
         ops.rope: kernel_ops.rope,
         ops.silu: kernel_ops.silu,
         ops.gelu_tanh: kernel_ops.gelu_tanh,
+        rope_ggml: glue_ggml.rope_ggml,  # bit-identical to the NumPy functions of the llamacpp numerics
+        NUMERICS["llamacpp"].activations["silu"]: glue_ggml.silu_rows,
     }
 
     # -- weights -------------------------------------------------------------------------------------------

@@ -1,0 +1,374 @@
+"""The numba glue of the llamacpp numerics (`ggufpy.kernels.glue_ggml`) against the NumPy reference: RoPE and
+SiLU bit for bit, the f16 rounding and the exp functions on many bit patterns, attention within a tight
+tolerance, and whole fixture models with the three functions patched into the numba backend.
+
+Also runs with NUMBA_DISABLE_JIT=1 (plain Python kernels): shapes and sample counts shrink there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ggufpy import kernels
+from ggufpy.numerics import attention_ggml, rope_angles_ggml, rope_ggml
+from ggufpy.quants.x86.simd import fma
+from ggufpy.quants.x86.unary import silu_rows, v_expf_512
+
+pytestmark = pytest.mark.skipif(not kernels.AVAILABLE, reason=f"numba unavailable: {kernels.IMPORT_ERROR}")
+
+if kernels.AVAILABLE:
+    from ggufpy.kernels import glue_ggml as glue
+    from ggufpy.kernels._numba import DISABLED, fma_f32, jit
+
+    @jit
+    def _fma_array(a, b, c, out):
+        for i in range(out.size):
+            out[i] = fma_f32(a[i], b[i], c[i])
+
+    @jit
+    def _v_expf_array(x, out):
+        for i in range(x.size):
+            out[i] = glue.v_expf(x[i])
+
+    @jit(fast=True)
+    def _strict_in_fast_kernel(x, out):
+        """The attention kernel's strict helpers called from a fastmath kernel (as `_attention` calls them):
+        their own flags must survive LLVM inlining them there."""
+        for i in range(x.size):
+            out[0, i] = glue.np_expf(x[i])
+            out[1, i] = glue.np_tanhf(x[i])
+            out[2, i] = glue.round_f16(x[i])
+else:
+    DISABLED = True
+
+SETTINGS = settings(max_examples=6 if DISABLED else 40, deadline=None, suppress_health_check=list(HealthCheck))
+SAMPLES = 3_000 if DISABLED else 1 << 20  # bit patterns per exhaustive-ish sweep
+
+F32 = np.float32
+# values where ggml_v_expf / expf / the f16 conversion change regime, and IEEE specials
+SPECIALS = np.array(
+    [0.0, -0.0, 1e-45, -1e-45, 1e-38, 2.0**-24, 2.0**-25, 6e-5, 0.5, 1.0, 16.0, 65504.0, 65519.0, 65520.0,
+     80.0, 87.3, 88.0, 88.72, 88.73, 89.0, 103.9, 104.0, 133.0, 134.0, 150.0, 1e10, 1e30, 3.4e38, np.inf, np.nan],
+    F32,
+)  # fmt: skip
+SPECIALS = np.concatenate([SPECIALS, -SPECIALS])
+
+
+def assert_bits_equal(got: np.ndarray, want: np.ndarray) -> None:
+    """The same f32 bit patterns, NaN for NaN (payloads aside)."""
+    got, want = np.asarray(got, F32), np.asarray(want, F32)
+    assert got.shape == want.shape
+    nan = np.isnan(want)
+    np.testing.assert_array_equal(np.isnan(got), nan)
+    np.testing.assert_array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))
+
+
+def spread_values(rng, shape, specials: bool = True) -> np.ndarray:
+    """f32 values over many magnitudes (1e-6 .. 1e3, both signs), with some specials mixed in."""
+    x = rng.standard_normal(shape) * 10.0 ** rng.integers(-6, 4, shape)
+    x = x.astype(F32)
+    if specials and x.size:
+        flat = x.reshape(-1)
+        idx = rng.integers(0, flat.size, min(flat.size // 4 + 1, 16))
+        flat[idx] = rng.choice(SPECIALS, idx.size)
+    return x
+
+
+def bit_patterns(rng, n: int) -> np.ndarray:
+    """n f32 values: random upper bits (sign, exponent, high mantissa) with the low 12 bits drawn from the
+    patterns that decide a rounding (0, 1, half, half +- 1, all ones) or at random."""
+    hi = rng.integers(0, 1 << 20, n, dtype=np.uint64) << np.uint64(12)
+    lows = np.array([0, 1, 0x7FF, 0x800, 0x801, 0xFFF], np.uint64)
+    lo = np.where(rng.random(n) < 0.75, rng.choice(lows, n), rng.integers(0, 1 << 12, n, dtype=np.uint64))
+    return (hi | lo).astype(np.uint32).view(F32)
+
+
+# -- the FMA intrinsic ---------------------------------------------------------------------------------------------
+def test_fma_f32_rounds_once():
+    rng = np.random.default_rng(0)
+    n = 200 if DISABLED else 20000
+    # near-halfway sums (where a float64 intermediate would round twice), spread values, subnormal results
+    c = (rng.standard_normal(n) * 10.0 ** rng.integers(-3, 3, n)).astype(F32)
+    half_ulp = (np.spacing(np.abs(c)) / 2).astype(F32)
+    a = (1 + rng.integers(-3, 4, n) * 2.0**-23).astype(F32)
+    b = (half_ulp * (1 + rng.integers(-3, 4, n) * 2.0**-23) * rng.choice([-1, 1], n)).astype(F32)
+    tiny = rng.standard_normal((3, n)).astype(F32) * F32(2**-70)
+    cases = [(a, b, c), tuple(spread_values(rng, (3, n))), tuple(tiny), (SPECIALS, SPECIALS[::-1], SPECIALS)]
+    for x, y, z in cases:
+        out = np.empty(len(x), F32)
+        with np.errstate(all="ignore"):
+            _fma_array(x, y, z, out)
+            assert_bits_equal(out, fma(x, y, z))
+    # the classic double-rounding case (tests/test_x86_simd.py)
+    a1, b1, c1 = F32(1 + 2.0**-23), F32(2.0**-24 * (1 - 2.0**-23)), F32(1 + 2.0**-23)
+    out = np.empty(1, F32)
+    _fma_array(np.array([a1]), np.array([b1]), np.array([c1]), out)
+    assert out[0] == F32(1 + 2.0**-23)
+
+
+# -- f32 -> f16 rounding ---------------------------------------------------------------------------------------------
+def test_round_f16_equals_numpy_on_many_bit_patterns():
+    rng = np.random.default_rng(1)
+    # every f16-relevant exponent (2^-26 .. 2^17) with all 2^11 high mantissa patterns when jitted
+    e = np.arange(101, 144, dtype=np.uint32) << np.uint32(23)
+    step = 1 if not DISABLED else 97
+    m = (np.arange(0, 1 << 11, step, dtype=np.uint32) << np.uint32(12))[None, :]
+    low = np.array([0, 1, 0x7FF, 0x800, 0x801, 0xFFF], np.uint32)
+    grid = (e[:, None, None] | m[:, :, None] | low[None, None, :]).reshape(-1)
+    grid = np.concatenate([grid, grid | np.uint32(0x80000000)]).view(F32)
+    for x in (grid, bit_patterns(rng, SAMPLES), SPECIALS, spread_values(rng, SAMPLES)):
+        with np.errstate(over="ignore"):
+            want = x.astype(np.float16).astype(F32)
+        assert_bits_equal(glue.round_f16_array(x), want)
+
+
+# -- RoPE -----------------------------------------------------------------------------------------------------------
+@SETTINGS
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    n_tokens=st.sampled_from([1, 2, 5, 17]),
+    heads=st.integers(1, 9),
+    dims=st.sampled_from([(8, 8), (16, 8), (64, 64), (64, 32)]),  # (head dim, rotated dims)
+    style=st.sampled_from(["norm", "neox"]),
+    start=st.integers(0, 3000),
+)
+def test_rope_is_bit_identical(seed, n_tokens, heads, dims, style, start):
+    if DISABLED and n_tokens * heads * dims[0] > 600:
+        n_tokens = 1
+    rng = np.random.default_rng(seed)
+    E, R = dims
+    x = spread_values(rng, (n_tokens, heads, E))
+    cos, sin = rope_angles_ggml(np.arange(start, start + n_tokens), R, 10000.0)
+    with np.errstate(all="ignore"):
+        want = rope_ggml(x, cos, sin, style)
+    assert_bits_equal(glue.rope_ggml(x, cos, sin, style), want)
+    # arbitrary cos/sin (not only unit-circle pairs), and a non-contiguous x
+    c, s = (rng.standard_normal((2, n_tokens, R // 2)) * 3).astype(F32)
+    xs = np.repeat(x, 2, axis=1)[:, ::2]
+    with np.errstate(all="ignore"):
+        assert_bits_equal(glue.rope_ggml(xs, c, s, style), rope_ggml(xs, c, s, style))
+
+
+def test_rope_decode_shape_and_input_untouched():
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((1, 9, 64)).astype(F32)
+    before = x.copy()
+    cos, sin = rope_angles_ggml(np.array([123]), 64, 100000.0)
+    got = glue.rope_ggml(x, cos, sin, "neox")
+    assert got.shape == (1, 9, 64) and got.dtype == F32 and got is not x
+    np.testing.assert_array_equal(x, before)
+    assert_bits_equal(got, rope_ggml(x, cos, sin, "neox"))
+
+
+# -- ggml_v_expf and SiLU --------------------------------------------------------------------------------------------
+def test_v_expf_is_bit_identical():
+    rng = np.random.default_rng(3)
+    for x in (bit_patterns(rng, SAMPLES), SPECIALS, np.linspace(-110, 100, 5001, dtype=F32)):
+        out = np.empty_like(x)
+        with np.errstate(all="ignore"):
+            _v_expf_array(x, out)
+            assert_bits_equal(out, v_expf_512(x))
+
+
+@SETTINGS
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    rows=st.integers(1, 3),
+    n=st.one_of(st.integers(1, 70), st.sampled_from([1536, 1541])),
+    scale=st.sampled_from([1e-3, 1.0, 10.0, 100.0]),
+)
+def test_silu_rows_is_bit_identical(seed, rows, n, scale):
+    """Body (16-lane ggml_v_silu) and tail (libm expf) for every n % 16; around 0, the exp's overflow and
+    underflow limits, specials."""
+    if DISABLED:
+        n = min(n, 70)
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((rows, n)) * scale).astype(F32)
+    flat = x.reshape(-1)
+    idx = rng.integers(0, flat.size, min(flat.size, 12))
+    flat[idx] = rng.choice(SPECIALS, idx.size)
+    with np.errstate(all="ignore"):
+        assert_bits_equal(glue.silu_rows(x), silu_rows(x))
+        # 1-D and strided inputs (decode's gate is a column slice of the stacked Q/K/V-style product)
+        assert_bits_equal(glue.silu_rows(x[0]), silu_rows(x[0]))
+        wide = np.repeat(x, 2, axis=1)[:, ::2]
+        assert_bits_equal(glue.silu_rows(wide), silu_rows(wide))
+
+
+def test_silu_decode_shape():
+    x = (np.random.default_rng(4).standard_normal((1, 1536)) * 5).astype(F32)
+    got = glue.silu_rows(x)
+    assert got.shape == (1, 1536) and got.dtype == F32
+    assert_bits_equal(got, silu_rows(x))
+
+
+# -- attention -----------------------------------------------------------------------------------------------------
+def test_np_expf_equals_numpy_exp():
+    """The softmax's exp is NumPy's own float32 exp (AVX2/AVX-512 builds): bit for bit there."""
+    rng = np.random.default_rng(5)
+    x = np.concatenate([bit_patterns(rng, SAMPLES), SPECIALS, -np.abs(spread_values(rng, SAMPLES))])
+    out = np.empty_like(x)
+    glue._np_expf_array(x, out)
+    with np.errstate(all="ignore"):
+        want = np.exp(x)
+    if not DISABLED and np.mean(out != want) > 0.01:
+        pytest.skip("this NumPy's float32 exp is not its AVX2/AVX-512 kernel (calls the C library's expf)")
+    assert_bits_equal(out, want)
+
+
+def test_np_tanhf_equals_numpy_tanh():
+    """The softcap's tanh is NumPy's own float32 tanh (SIMD builds with FMA): bit for bit there."""
+    rng = np.random.default_rng(7)
+    x = np.concatenate([bit_patterns(rng, SAMPLES), SPECIALS, spread_values(rng, SAMPLES)])
+    out = np.empty_like(x)
+    glue._np_tanhf_array(x, out)
+    want = np.tanh(x)
+    if not DISABLED and np.mean(out != want) > 0.01:
+        pytest.skip("this NumPy's float32 tanh is not its SIMD kernel (calls the C library's tanhf)")
+    assert_bits_equal(out, want)
+
+
+def test_strict_helpers_keep_their_rounding_inside_a_fastmath_kernel():
+    rng = np.random.default_rng(8)
+    x = np.concatenate([bit_patterns(rng, SAMPLES // 4), SPECIALS])
+    out = np.empty((3, x.size), F32)
+    _strict_in_fast_kernel(x, out)
+    e, t = np.empty_like(x), np.empty_like(x)
+    glue._np_expf_array(x, e)
+    glue._np_tanhf_array(x, t)
+    assert_bits_equal(out[0], e)
+    assert_bits_equal(out[1], t)
+    assert_bits_equal(out[2], glue.round_f16_array(x))
+
+
+def random_qkv(rng, T, S, H, G, E, f16_cache=True):
+    q = (rng.standard_normal((T, H, E)) * rng.uniform(0.5, 4)).astype(F32)
+    k = (rng.standard_normal((S, G, E)) * rng.uniform(0.5, 4)).astype(F32)
+    v = rng.standard_normal((S, G, E)).astype(F32)
+    if f16_cache:
+        k, v = k.astype(np.float16), v.astype(np.float16)
+    return q, k, v
+
+
+@functools.cache
+def numpy_simd_math() -> bool:
+    """Whether np.exp and np.tanh on float32 are the SIMD kernels `np_expf` / `np_tanhf` replay."""
+    x = np.linspace(-20, 20, 4001, dtype=F32)
+    e, t = np.empty_like(x), np.empty_like(x)
+    glue._np_expf_array(x, e)
+    glue._np_tanhf_array(x, t)
+    return np.array_equal(e, np.exp(x)) and np.array_equal(t, np.tanh(x))
+
+
+def assert_attention_close(got, want, v):
+    assert got.shape == want.shape and got.dtype == F32
+    vmax = float(np.abs(np.asarray(v, F32)).max())
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7 * vmax)
+
+
+@SETTINGS
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    n_tokens=st.sampled_from([1, 1, 2, 5, 17]),
+    start=st.integers(0, 40),
+    extra_keys=st.sampled_from([0, 0, 3]),  # keys past the last query (masked)
+    heads=st.sampled_from([(1, 1), (4, 2), (9, 3), (6, 1)]),  # (H, G): MHA and GQA
+    E=st.sampled_from([8, 64]),
+    window=st.one_of(st.none(), st.integers(1, 12)),
+    softcap=st.one_of(st.none(), st.sampled_from([20.0, 50.0])),
+    f16_cache=st.booleans(),
+)
+def test_attention_matches_attention_ggml(seed, n_tokens, start, extra_keys, heads, E, window, softcap, f16_cache):
+    if DISABLED:
+        n_tokens, start, E = min(n_tokens, 2), min(start, 6), 8
+    rng = np.random.default_rng(seed)
+    H, G = heads
+    S = start + n_tokens + extra_keys
+    q, k, v = random_qkv(rng, n_tokens, S, H, G, E, f16_cache)
+    scale = 1.0 / np.sqrt(F32(E))
+    extra = {}
+    if window is not None:
+        extra["window"] = window
+    if softcap is not None:
+        extra["softcap"] = softcap
+    want = attention_ggml(q, k, v, start, scale, **extra)
+    got = glue.attention(q, k, v, start, scale, window, softcap)
+    assert_attention_close(got, want, v)
+
+
+@pytest.mark.parametrize("n_tokens,start", [(1, 0), (1, 63), (17, 0), (17, 30)])
+@pytest.mark.parametrize("window,softcap", [(None, None), (8, None), (None, 50.0), (5, 30.0)])
+def test_attention_decode_and_prefill_shapes(n_tokens, start, window, softcap):
+    """SmolLM2's heads (9 query heads over 3 KV heads of 64), one or 17 queries, later positions."""
+    if DISABLED and (n_tokens > 1 or start > 0):
+        pytest.skip("plain-Python kernels: the smallest shape only")
+    rng = np.random.default_rng(start * 31 + n_tokens)
+    S = start + n_tokens
+    q, k, v = random_qkv(rng, n_tokens, S, 9, 3, 64)
+    scale = F32(0.125)
+    extra = {k_: x for k_, x in (("window", window), ("softcap", softcap)) if x is not None}
+    want = attention_ggml(q, k, v, start, scale, **extra)
+    for threads in (1, 2):
+        got = glue.attention(q, k, v, start, scale, window, softcap, threads=threads)
+        assert_attention_close(got, want, v)
+        if numpy_simd_math():  # the same exp and tanh as NumPy, exact float64 sums here: the same bits
+            np.testing.assert_array_equal(got, want)
+
+
+def test_attention_takes_the_f16_cache_without_copying_and_rounds_f32_inputs():
+    rng = np.random.default_rng(6)
+    q, k, v = random_qkv(rng, 1, 10, 4, 2, 8, f16_cache=False)
+    got_f32 = glue.attention(q, k, v, 9, 0.3)
+    got_f16 = glue.attention(q, k.astype(np.float16), v.astype(np.float16), 9, 0.3)
+    np.testing.assert_array_equal(got_f32, got_f16)  # K and V are rounded to f16 as the cache stores them
+    # a query rounded to f16 beforehand changes nothing (Q is rounded to f16 inside)
+    np.testing.assert_array_equal(glue.attention(q.astype(np.float16).astype(F32), k, v, 9, 0.3), got_f32)
+
+
+# -- whole models ----------------------------------------------------------------------------------------------------
+def patch_glue(model, monkeypatch):
+    """The three glue functions in place of the NumPy ones: RoPE and SiLU through the numerics record,
+    attention through the backend (as `NumbaBackend.attention` would call it)."""
+    from ggufpy.kernels.backend import NumbaBackend
+
+    activations = dict(model.numerics.activations)
+    activations["silu"] = glue.silu_rows
+    model.numerics = dataclasses.replace(model.numerics, rope=glue.rope_ggml, activations=activations)
+    calls = []
+
+    def attention(self, q, k, v, start, scale, window=None, softcap=None):
+        calls.append(q.shape[0])
+        return glue.attention(q, k, v, start, scale, window, softcap)
+
+    monkeypatch.setattr(NumbaBackend, "attention", attention)
+    return calls
+
+
+@pytest.mark.parametrize("fixture", ["q4_0", "qwen2_f32", "gemma2_f32"])
+def test_fixture_model_logits_match_the_numpy_llamacpp_reference(fixture, monkeypatch):
+    """q4_0 (llama, SiLU, norm RoPE), qwen2 (neox RoPE, Q/K/V biases), gemma2 (sliding window, softcapped
+    attention, GELU): prefill and incremental decode with the numba backend and the glue functions."""
+    import ggufpy
+    from conformance import fixtures as fx
+
+    path = fx.fixture_path(fixture)
+    ids = np.array([5, 60, 7] if DISABLED else [5, 60, 7, 200, 31, 9, 17, 4, 88, 3], dtype=np.int64)
+    ref = ggufpy.load(path, backend="numpy", numerics="llamacpp", tokenizer=False).logits(ids)
+    model = ggufpy.load(path, backend="numba", numerics="llamacpp", tokenizer=False)
+    calls = patch_glue(model, monkeypatch)
+    got = model.logits(ids)
+    atol = 1e-5 * np.abs(ref).max()
+    np.testing.assert_allclose(got, ref, rtol=0, atol=atol)
+    assert np.array_equal(got.argmax(axis=-1), ref.argmax(axis=-1))
+    assert calls == [len(ids)] * model.config.n_layers
+    cache = model.new_cache(capacity=len(ids))
+    model.forward(ids[:-2], 0, cache)
+    for i in (len(ids) - 2, len(ids) - 1):  # two decode steps
+        last = model.forward(ids[i : i + 1], i, cache)
+        np.testing.assert_allclose(last[0], ref[i], rtol=0, atol=atol)
