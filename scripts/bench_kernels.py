@@ -9,8 +9,7 @@ time with a cold and a warm numba cache.
     python scripts/bench_kernels.py --models smollm2 --rounds 5 --micro --rss --compile --json out.json
 
 Q8_0 and Q4_K_M are SmolLM2 requantized by llama.cpp (cached in ~/.cache/ggufpy/bench); gemma3 is Gemma 3 270M
-Q4_K_M. `--glue` adds a run with the backend's RMSNorm/RoPE/activations patched into `ggufpy.ops` (what a
-transformer hook would give). Machine load only ever slows a run down, so more rounds give steadier ratios.
+Q4_K_M. Machine load only ever slows a run down, so more rounds give steadier ratios.
 """
 
 from __future__ import annotations
@@ -69,7 +68,7 @@ def table(results: dict) -> str:
         "| --- | --- | ---: | ---: | ---: | ---: |",
     ]
     for name, r in results.items():
-        for engine in ("numba", "numba+glue", "numpy", "llama.cpp"):
+        for engine in ("numba", "numpy", "llama.cpp"):
             if engine in r:
                 e = r[engine]
                 ratios = [f"{e[k]:.2f}x" if k in e else "-" for k in ("prefill_ratio", "decode_ratio")]
@@ -85,9 +84,6 @@ def main(argv=None) -> int:
     ap.add_argument("--decode", type=int, default=64, help="generated tokens (decode)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-numpy", dest="numpy", action="store_false", help="skip the (slow) NumPy backend")
-    ap.add_argument(
-        "--glue", action="store_true", help="also time numba with the backend's RMSNorm/RoPE/activations patched in"
-    )
     ap.add_argument("--micro", action="store_true", help="matvec GMAC/s per quant type")
     ap.add_argument("--rss", action="store_true", help="peak RSS of a fresh process on the numba backend")
     ap.add_argument("--compile", action="store_true", help="cold and warm numba start-up")
