@@ -25,8 +25,8 @@ from hypothesis import strategies as st
 from conformance.ggml_graph import ggml_graph_matmul
 from ggufpy.constants import GGMLType
 from ggufpy.quants.vecdot import quantize_activations
-from ggufpy.quants.x86 import llamafile, repack_q8_0
-from ggufpy.quants.x86.llamafile import float_activations
+from ggufpy.quants.x86 import floats, llamafile, repack_q8_0
+from ggufpy.quants.x86.floats import float_activations
 
 GOLDEN = Path(__file__).parent / "data" / "x86" / "q8_0.npz"
 
@@ -71,7 +71,7 @@ def kernel_input(x: np.ndarray, ggml_type: GGMLType) -> np.ndarray:
 def ours(w_bytes: np.ndarray, ggml_type: GGMLType, a: np.ndarray, repack: bool) -> np.ndarray:
     if ggml_type in REPACKABLE:
         return repack_q8_0.KERNELS[ggml_type](w_bytes, a, repack=repack)
-    return llamafile.KERNELS[ggml_type](w_bytes, a)
+    return {**llamafile.KERNELS, **floats.KERNELS}[ggml_type](w_bytes, a)
 
 
 def weight_bytes(w: np.ndarray, ggml_type: GGMLType) -> np.ndarray:
@@ -176,7 +176,7 @@ def test_activation_bytes_match_ggml(oracle):
 
 
 def test_kernel_tables():
-    assert set(llamafile.KERNELS) == {T_.Q8_0, T_.Q5_0, T_.F32, T_.F16, T_.BF16}
+    assert set(llamafile.KERNELS) == {T_.Q8_0, T_.Q5_0} and set(floats.KERNELS) == {T_.F32, T_.F16, T_.BF16}
     assert set(repack_q8_0.KERNELS) == {T_.Q4_0, T_.IQ4_NL}
     assert repack_q8_0.is_repacked(T_.Q4_0, 1536) and not repack_q8_0.is_repacked(T_.Q4_0, 1532)
     assert not repack_q8_0.is_repacked(T_.Q8_0, 1536)

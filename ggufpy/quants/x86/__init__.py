@@ -12,7 +12,8 @@ kernels of the build the conformance goldens were recorded with (llama-cpp-pytho
     kquants     Q3_K, Q5_K, Q6_K (T < 8)    arch/x86/quants.c `ggml_vec_dot_q{3,5,6}_K_q8_K`
     repack      Q4_K, Q2_K                  repack.cpp 8x8 gemm/gemv (out % 8 == 0), else vec_dot
     repack_q8_0 Q4_0, IQ4_NL                repack.cpp 8x8 gemm/gemv (out % 8 == 0), else tinyBLAS / vec_dot
-    llamafile   Q8_0, Q5_0, F32, F16, BF16  llamafile/sgemm.cpp tinyBLAS (T >= 2), else vec_dot
+    llamafile   Q8_0, Q5_0                  llamafile/sgemm.cpp tinyBLAS (T >= 2), else vec_dot
+    floats      F32, F16, BF16              llamafile/sgemm.cpp tinyBLAS (T >= 2, shapes permitting), else vec_dot
 
 Every function takes the weight's GGUF rows u8 (out, row_bytes) and the activation rows in what the kernel
 reads (`activations`), and returns f32 (T, out). Other builds (AVX2 only, ARM, flash attention...) round
@@ -26,7 +27,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ...constants import GGMLType
-from . import iquants, kquants, legacy, llamafile, repack, repack_q8_0, tiled
+from . import floats, iquants, kquants, legacy, llamafile, repack, repack_q8_0, tiled
 
 __all__ = ["FLOAT_TYPES", "KERNELS", "activations_for", "matmul"]
 
@@ -37,15 +38,16 @@ KERNELS: dict[GGMLType, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
     **repack.KERNELS,
     **repack_q8_0.KERNELS,
     **llamafile.KERNELS,
+    **floats.KERNELS,
 }
 FLOAT_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16)
 
 
 def activations_for(x: np.ndarray, w_type: GGMLType, quantize: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
     """What the kernel of a `w_type` weight reads: f32 / f16 / bf16 bits for float weights
-    (`llamafile.float_activations`), else `quantize(x)`, the rows in the weight's vec_dot type."""
+    (`floats.float_activations`), else `quantize(x)`, the rows in the weight's vec_dot type."""
     if w_type in FLOAT_TYPES:
-        return llamafile.float_activations(x, w_type)
+        return floats.float_activations(x, w_type)
     return quantize(x)
 
 

@@ -10,7 +10,7 @@ f16 KV cache in the `v_trans` layout), per query head h of KV group g = h // (H/
     p    = soft_max_ext(kq, mask, scale)    ops.cpp `ggml_compute_forward_soft_max_f32`, max_bias 0
     kqv  = mul_mat(V_g^T, fp16(p))          V_g^T: (E, n_kv) f16 rows of the transposed V cache
 
-Both products are F16 mul_mats: `llamafile.matmul_f16` (tinyBLAS<16, __m512> when T >= 2, the inner size is a
+Both products are F16 mul_mats: `floats.matmul_f16` (tinyBLAS<16, __m512> when T >= 2, the inner size is a
 multiple of 16 and the output one of 4, else `ggml_vec_dot_f16`). The cache is padded: llama-kv-cache.cpp
 `get_n_kv` gives n_kv = min(cache size, max(256, GGML_PAD(used cells, 256))); the cells past the S used ones
 hold zeros in a fresh cache and are masked with -inf. n_kv decides which F16 kernel runs and how the softmax
@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .llamafile import matmul_f16
+from .floats import matmul_f16
 from .simd import reduce_add_ps_512
 from .unary import tanhf_glibc, v_expf_512
 
