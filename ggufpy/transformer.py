@@ -41,6 +41,8 @@ class Model:
         self.rms_norm = getattr(backend, "rms_norm", ops.rms_norm)
         # reference functions a backend computes compiled, with the same f32 steps (`NumbaBackend.compiled`)
         self.compiled = getattr(backend, "compiled", {})
+        # a backend may run a whole decode block in one call, bit-identical to `block` (`NumbaBackend.decode_block`)
+        self.decode_block = getattr(backend, "decode_block", None)
         self.weights = weights
         self.backend = backend
         self.tokenizer = tokenizer
@@ -97,7 +99,10 @@ class Model:
             rope = cfg.rope(i)
             if rope not in angles:
                 angles[rope] = self.numerics.rope_angles(positions, cfg.rope_dim, *rope, self.weights.rope_freqs)
-            h = self.block(h, i, pos, *angles[rope], cache, trace)
+            out = None
+            if self.decode_block is not None and T == 1 and trace is None:
+                out = self.decode_block(cfg, self.weights.layers[i], i, h, pos, *angles[rope], cache)
+            h = self.block(h, i, pos, *angles[rope], cache, trace) if out is None else out
         cache.advance(pos + T)
 
         if layers.stop < cfg.n_layers:

@@ -266,6 +266,13 @@ class NumbaBackend:
         threads = self._threads_for(q.shape[0] * q.shape[1] * k.shape[0] * q.shape[2])
         return _attention(q, k, v, start, scale, window, softcap, threads=threads)
 
+    def decode_block(self, config, w, i: int, h: np.ndarray, pos: int, cos, sin, cache) -> np.ndarray | None:
+        """A whole transformer block for one token in one compiled call (`kernels.layer`), bit-identical to
+        `Model.block` on this backend; None where the layer or the numerics are outside its scope."""
+        from . import layer  # imports this module
+
+        return layer.decode_block(self, config, w, i, h, pos, cos, sin, cache)
+
     # The per-token glue, for a transformer that asks its backend (`getattr(backend, "rms_norm", ops.rms_norm)`):
     rms_norm = staticmethod(kernel_ops.rms_norm)  # the same f32 steps as ops.rms_norm, in both numerics modes
 

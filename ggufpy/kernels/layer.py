@@ -1,0 +1,338 @@
+"""One compiled call per decode block: `Model.block` for a single token (T == 1) in the exact numerics.
+
+    from ggufpy.kernels import layer
+    h = layer.decode_block(backend, cfg, w, i, h, pos, cos, sin, cache)   # None: not fusable, use Model.block
+
+During decode, `Model.block` spends about a third of its time in Python between the kernels (four products,
+attention, two RMSNorms, two RoPEs, the cache write, residual adds, SiLU * up). Here one jitted function
+runs the whole block, calling the *same* compiled kernels as the separate path (the `_mv_*_row` kernel of
+each product's storage family, `nib`/`nib6`/`i8`, picked by a family code at run time), with arguments of
+the same types, in the same order:
+
+    _rms_norm -> _mv_*_row (stacked Q/K/V) -> _rope (q, k) -> cache write -> _attention -> _mv_*_row (o)
+    -> + h -> _rms_norm -> _mv_*_row (stacked gate/up) -> _silu -> * up -> _mv_*_row (down) -> + h
+
+so the result is bit-identical to `Model.block` with the `NumbaBackend` (the tests check `np.array_equal`
+on logits and KV caches). Attention gets the whole cache arrays: the kernel only reads keys 0..pos, so
+this is the same computation as on the cache's view of positions 0..pos, without a copy.
+
+Scope (`can_fuse`): NumbaBackend with the exact numerics, packed (quantized) weights, no Q/K/V biases, no
+per-head Q/K norms, no post-norms, no softcaps, no sliding window, no Q scaling, SiLU. Everything else
+(and T > 1, and tracing) goes through `Model.block`.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+
+from .. import ops
+from ._numba import jit
+from .attention import _attention
+from .backend import FLOAT_TYPES, NumbaBackend
+from .layout import PACKED_TYPES
+from .matvec import _FAMILY, _NO_TERMS, _mv_i8_row, _mv_nib6_row, _mv_nib_row, plan
+from .ops import _rms_norm, _rope, _silu
+
+__all__ = ["FusedLayer", "can_fuse", "decode_block", "fused_layer"]
+
+
+@jit
+def _row_product(family, nt, w, x, terms, exact, out):
+    """`matvec` of one activation row (`_mv_*_row`), the kernel picked by the family code at run time (a
+    module-level function rather than a closure over the kernels: numba's disk cache keys closures by their
+    cells, and a dispatcher pickles differently in every process)."""
+    if family == 0:
+        _mv_nib_row(nt, w[0], w[1], w[2], w[3], w[4], w[5], w[6], x, terms, exact, out)
+    elif family == 1:
+        _mv_nib6_row(nt, w[0], w[1], w[2], w[3], w[4], w[5], w[6], x, terms, exact, out)
+    else:
+        _mv_i8_row(nt, w[0], w[1], w[2], w[3], w[4], w[5], w[6], x, terms, exact, out)
+
+
+@jit
+def _block(
+    nt,
+    fams,
+    h,
+    attn_norm,
+    ffn_norm,
+    eps,
+    s0,
+    s1,
+    s2,
+    n_qkv,
+    qkv_map,
+    g0,
+    g1,
+    n_gu,
+    gu_map,
+    wo,
+    wd,
+    terms,
+    exact,
+    cos,
+    sin,
+    neox,
+    kc,
+    vc,
+    pos,
+    n_heads,
+    n_kv,
+    head_dim,
+    scale,
+    hidden,
+):
+    """The block for one token; fams: int64 family codes of (qkv slots 0-2, gate/up slots 0-1, o, down)."""
+    D = h.shape[1]
+    Q = n_heads * head_dim
+    K = n_kv * head_dim
+
+    # attention branch
+    x = np.empty((1, D), np.float32)
+    _rms_norm(h, attn_norm, eps, x)
+    y0 = np.empty((1, s0[0].shape[0] * 64), np.float32)
+    _row_product(fams[0], nt, s0, x, terms, exact, y0)
+    y1 = y0
+    y2 = y0
+    if n_qkv > 1:
+        y1 = np.empty((1, s1[0].shape[0] * 64), np.float32)
+        _row_product(fams[1], nt, s1, x, terms, exact, y1)
+    if n_qkv > 2:
+        y2 = np.empty((1, s2[0].shape[0] * 64), np.float32)
+        _row_product(fams[2], nt, s2, x, terms, exact, y2)
+    q = np.empty((1, n_heads, head_dim), np.float32)
+    k = np.empty((1, n_kv, head_dim), np.float32)
+    v = np.empty((1, n_kv, head_dim), np.float32)
+    qf = q.reshape(Q)
+    kf = k.reshape(K)
+    vf = v.reshape(K)
+    for j in range(3):
+        slot = qkv_map[j, 0]
+        lo = qkv_map[j, 1]
+        src = y0 if slot == 0 else (y1 if slot == 1 else y2)
+        if j == 0:
+            for c in range(Q):
+                qf[c] = src[0, lo + c]
+        elif j == 1:
+            for c in range(K):
+                kf[c] = src[0, lo + c]
+        else:
+            for c in range(K):
+                vf[c] = src[0, lo + c]
+    qr = np.empty_like(q)
+    kr = np.empty_like(k)
+    _rope(q, cos, sin, neox, qr)
+    _rope(k, cos, sin, neox, kr)
+    kc[pos] = kr[0]  # cache.update
+    vc[pos] = v[0]
+    attn = np.empty((1, n_heads, head_dim), np.float32)
+    _attention(nt, qr, kc, vc, pos, scale, 0, np.float32(0.0), attn)  # reads keys 0..pos only
+    yo = np.empty((1, wo[0].shape[0] * 64), np.float32)
+    _row_product(fams[5], nt, wo, attn.reshape(1, Q), terms, exact, yo)
+    h1 = np.empty((1, D), np.float32)
+    for c in range(D):
+        h1[0, c] = h[0, c] + yo[0, c]
+
+    # feed-forward branch
+    x2 = np.empty((1, D), np.float32)
+    _rms_norm(h1, ffn_norm, eps, x2)
+    z0 = np.empty((1, g0[0].shape[0] * 64), np.float32)
+    _row_product(fams[3], nt, g0, x2, terms, exact, z0)
+    z1 = z0
+    if n_gu > 1:
+        z1 = np.empty((1, g1[0].shape[0] * 64), np.float32)
+        _row_product(fams[4], nt, g1, x2, terms, exact, z1)
+    gate = np.empty(hidden, np.float32)
+    src = z0 if gu_map[0, 0] == 0 else z1
+    lo = gu_map[0, 1]
+    for c in range(hidden):
+        gate[c] = src[0, lo + c]
+    act = np.empty(hidden, np.float32)
+    _silu(gate, act)
+    src = z0 if gu_map[1, 0] == 0 else z1
+    lo = gu_map[1, 1]
+    prod = np.empty((1, hidden), np.float32)
+    for c in range(hidden):
+        prod[0, c] = act[c] * src[0, lo + c]
+    yd = np.empty((1, wd[0].shape[0] * 64), np.float32)
+    _row_product(fams[6], nt, wd, prod, terms, exact, yd)
+    out = np.empty((1, D), np.float32)
+    for c in range(D):
+        out[0, c] = h1[0, c] + yd[0, c]
+    return out
+
+
+def can_fuse(config, w, backend) -> bool:
+    """Whether `decode_block` computes layer weights `w` of a model with `config` on `backend` (checks the
+    layer-independent conditions and the weights; `decode_block` also needs T == 1 and no sliding window)."""
+    if type(backend) is not NumbaBackend:
+        return False
+    nm = backend.numerics
+    if (
+        nm.quantize_activations
+        or nm.attention is not ops.attention
+        or nm.rope is not ops.rope
+        or nm.activations.get("silu") is not ops.silu
+        or nm.kv_dtype != np.float32
+        or (backend.blas_rows is not None and backend.blas_rows <= 1)
+    ):
+        return False
+    arch = config.arch
+    if arch.activation != "silu" or arch.scale_q or config.attn_softcap:
+        return False
+    if any(
+        getattr(w, name, None) is not None
+        for name in (
+            "attn_q_bias",
+            "attn_k_bias",
+            "attn_v_bias",
+            "attn_q_norm",
+            "attn_k_norm",
+            "post_attention_norm",
+            "post_ffw_norm",
+        )
+    ):
+        return False
+    mats = (w.attn_q, w.attn_k, w.attn_v, w.attn_output, w.ffn_gate, w.ffn_up, w.ffn_down)
+    if any(m.type in FLOAT_TYPES or m.type not in PACKED_TYPES or len(m.shape) != 2 for m in mats):
+        return False
+    Q, K = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
+    return (
+        w.attn_q.shape[0] == Q
+        and w.attn_k.shape[0] == K
+        and w.attn_v.shape[0] == K
+        and w.attn_output.shape[1] == Q
+        and w.ffn_gate.shape[0] == w.ffn_up.shape[0] == w.ffn_down.shape[1]
+    )
+
+
+class FusedLayer:
+    """The prepared arguments of one layer on one backend (packed weights, stacks, maps) and its function."""
+
+    def __init__(self, config, w, backend: NumbaBackend):
+        self.w = w  # keeps the LayerWeights alive while this entry is keyed by its id
+        qkv_slots, qkv_map = self._slots(backend, (w.attn_q, w.attn_k, w.attn_v))
+        gu_slots, gu_map = self._slots(backend, (w.ffn_gate, w.ffn_up))
+        fams_qkv = [f for f, _ in qkv_slots]
+        fams_gu = [f for f, _ in gu_slots]
+        self.n_qkv, self.n_gu = len(qkv_slots), len(gu_slots)
+        args_qkv = [a for _, a in qkv_slots]
+        args_gu = [a for _, a in gu_slots]
+        # unused slots repeat slot 0 (same types: compiled but never called)
+        while len(fams_qkv) < 3:
+            fams_qkv.append(fams_qkv[0])
+            args_qkv.append(args_qkv[0])
+        while len(fams_gu) < 2:
+            fams_gu.append(fams_gu[0])
+            args_gu.append(args_gu[0])
+        self.qkv_map, self.gu_map = qkv_map, gu_map
+        self.qkv_args, self.gu_args = tuple(args_qkv), tuple(args_gu)
+        fo, self.wo = self._single(backend, w.attn_output)
+        fd, self.wd = self._single(backend, w.ffn_down)
+        self.o_rows = w.attn_output.shape[0]
+        self.attn_norm = np.ascontiguousarray(w.attn_norm, np.float32)
+        self.ffn_norm = np.ascontiguousarray(w.ffn_norm, np.float32)
+        self.eps = np.float32(config.norm_eps)
+        self.neox = config.arch.rope_style != "norm"
+        self.n_heads, self.n_kv, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
+        self.hidden = w.ffn_gate.shape[0]
+        self.scale = np.float32(np.float32(1.0) / np.sqrt(np.float32(config.head_dim)))  # as Model.block
+        self.families = np.array([_FAMILY[f] for f in (*fams_qkv, *fams_gu, fo, fd)], np.int64)
+
+    @staticmethod
+    def _single(backend: NumbaBackend, w):
+        p = backend.packed(w)
+        planned = backend._plans.get(w)
+        if planned is None:
+            planned = backend._plans[w] = plan(p)
+        return p.family, planned[1]
+
+    @staticmethod
+    def _slots(backend: NumbaBackend, ws):
+        """[(family, weight arguments)] per product and (len(ws), 2) int64 [slot, first column] per weight,
+        from the same stacks `NumbaBackend.linears` uses (made here if it has not made them yet)."""
+        groups = backend._stacks.get(ws)
+        if groups is None:
+            groups = backend._stacks[ws] = backend._stack_groups(ws)
+        slots, where = [], np.zeros((len(ws), 2), np.int64)
+        for members, stack in groups:
+            if stack is None:
+                (i,) = members
+                slots.append(FusedLayer._single(backend, ws[i]))
+                where[i] = (len(slots) - 1, 0)
+                continue
+            p, planned, spans = stack
+            slots.append((p.family, planned[1]))
+            for i, (lo, _rows) in zip(members, spans, strict=True):
+                where[i] = (len(slots) - 1, lo)
+        return slots, where
+
+    def __call__(self, backend: NumbaBackend, h: np.ndarray, pos: int, cos, sin, kc, vc) -> np.ndarray:
+        nt = backend._threads_for(self.hidden * self.o_rows)  # one count for the whole call
+        return _block(
+            nt,
+            self.families,
+            h,
+            self.attn_norm,
+            self.ffn_norm,
+            self.eps,
+            *self.qkv_args,
+            self.n_qkv,
+            self.qkv_map,
+            *self.gu_args,
+            self.n_gu,
+            self.gu_map,
+            self.wo,
+            self.wd,
+            _NO_TERMS,
+            True,
+            cos,
+            sin,
+            self.neox,
+            kc,
+            vc,
+            pos,
+            self.n_heads,
+            self.n_kv,
+            self.head_dim,
+            self.scale,
+            self.hidden,
+        )
+
+
+_LAYERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # backend -> {id(LayerWeights): FusedLayer|None}
+
+
+def fused_layer(backend, config, w) -> FusedLayer | None:
+    """The prepared FusedLayer of weights `w` on `backend`, or None when the layer cannot be fused."""
+    try:
+        per_backend = _LAYERS.setdefault(backend, {})
+    except TypeError:  # a backend that cannot be weakly referenced
+        return None
+    entry = per_backend.get(id(w))
+    if entry is None or (entry is not False and entry.w is not w):
+        entry = FusedLayer(config, w, backend) if can_fuse(config, w, backend) else False
+        per_backend[id(w)] = entry
+    return entry or None
+
+
+def decode_block(backend, config, w, i: int, h: np.ndarray, pos: int, cos, sin, cache) -> np.ndarray | None:
+    """`Model.block(h, i, pos, cos, sin, cache)` for one token in one compiled call, bit-identical; writes
+    K and V of position `pos` into `cache` like `cache.update`. Returns None (nothing computed, nothing
+    written) when this layer or call cannot be fused: then call `Model.block`."""
+    if h.shape[0] != 1 or config.window(i) is not None:
+        return None
+    layer = fused_layer(backend, config, w)
+    if layer is None:
+        return None
+    kc, vc = cache.k[i], cache.v[i]
+    if kc.dtype != np.float32 or not (kc.flags.c_contiguous and vc.flags.c_contiguous):
+        return None
+    if not 0 <= pos < kc.shape[0] or h.shape[1] != config.dim:  # the kernel does not check bounds
+        raise ValueError(f"position {pos} / hidden states {h.shape} do not fit the cache {kc.shape} / dim")
+    h = np.ascontiguousarray(h, np.float32)
+    cos = np.ascontiguousarray(cos, np.float32)
+    sin = np.ascontiguousarray(sin, np.float32)
+    return layer(backend, h, int(pos), cos, sin, kc, vc)

@@ -1,0 +1,177 @@
+"""`ggufpy.kernels.layer.decode_block`: one compiled call per decode block, bit-identical to `Model.block`.
+
+Each test loads the same model twice, one with the fused block switched off (`Model.decode_block = None`) and
+one as the transformer runs it, runs a 5-token prefill and 8 decode steps on both, and requires equal logits
+and KV caches (`np.array_equal`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import ggufpy
+from conformance.fixtures import ROLES, TinyLlama, write_tiny_llama
+from ggufpy.constants import GGMLType
+from ggufpy.kernels import layer
+from ggufpy.kernels._numba import DISABLED
+from tests.models import smollm2_path
+
+PROMPT = [5, 17, 3, 42, 9]
+N_DECODE = 8
+
+
+def plain(model):
+    """`model` without the fused decode block: every block through `Model.block`."""
+    model.decode_block = None
+    return model
+
+
+def counted(model, calls: list):
+    """`model` with its backend's fused decode block (as the transformer calls it), recording the layers it
+    computed (those where it did not return None)."""
+    fused = model.decode_block
+
+    def decode_block(config, w, i, h, pos, cos, sin, cache):
+        out = fused(config, w, i, h, pos, cos, sin, cache)
+        if out is not None:
+            calls.append(i)
+        return out
+
+    model.decode_block = decode_block
+    return model
+
+
+def decode(model, prompt=PROMPT, n=N_DECODE):
+    cache = model.new_cache(capacity=len(prompt) + n + 3)
+    logits = [model.forward(np.asarray(prompt), 0, cache)]
+    for t in range(n):
+        logits.append(model.forward(np.asarray([prompt[t % len(prompt)] + t]), len(prompt) + t, cache))
+    return logits, cache
+
+
+def assert_same(path, threads=2, prompt=PROMPT):
+    ref = plain(ggufpy.load(path, backend="numba", tokenizer=False, threads=threads))
+    calls: list[int] = []
+    fast = counted(ggufpy.load(path, backend="numba", tokenizer=False, threads=threads), calls)
+    la, ca = decode(ref, prompt)
+    lb, cb = decode(fast, prompt)
+    assert len(calls) == N_DECODE * ref.config.n_layers  # every decode block went through the fused call
+    for step, (a, b) in enumerate(zip(la, lb, strict=True)):
+        assert np.array_equal(a, b), f"step {step}: max |diff| {np.abs(a - b).max()}"
+    for i in ca.layers:
+        assert np.array_equal(ca.k[i], cb.k[i]), f"K of layer {i}"
+        assert np.array_equal(ca.v[i], cb.v[i]), f"V of layer {i}"
+    assert ca.length == cb.length
+
+
+def uniform(t: GGMLType) -> dict:
+    return dict.fromkeys(ROLES, t)
+
+
+WIDE = TinyLlama(dim=256, hidden_dim=512, n_layers=2, n_heads=4, n_kv_heads=2)
+# K/V of 32 rows: half a group, so the stacked Q/K/V has padded groups in the middle
+NARROW = TinyLlama(dim=128, hidden_dim=256, n_layers=2, n_heads=4, n_kv_heads=1)
+
+CASES = {
+    "Q4_0": (WIDE, uniform(GGMLType.Q4_0)),
+    "Q4_1": (WIDE, uniform(GGMLType.Q4_1)),
+    "Q8_0": (WIDE, uniform(GGMLType.Q8_0)),
+    "Q4_K": (WIDE, uniform(GGMLType.Q4_K)),
+    "Q6_K": (WIDE, uniform(GGMLType.Q6_K)),
+    "Q5_K": (WIDE, uniform(GGMLType.Q5_K)),
+    # mixes: V and ffn_down in other families than the rest (partial stacks: 2 Q/K/V products)
+    "Q4_K+Q6_K": (WIDE, {**uniform(GGMLType.Q4_K), "attn_v": GGMLType.Q6_K, "ffn_down": GGMLType.Q6_K}),
+    "Q4_0+Q8_0": (NARROW, {**uniform(GGMLType.Q4_0), "attn_v": GGMLType.Q8_0, "ffn_up": GGMLType.Q8_0}),
+    "Q5_0/narrow": (NARROW, uniform(GGMLType.Q5_0)),
+    # all three families in one layer, Q/K/V as three separate products
+    "three": (
+        WIDE,
+        {
+            **uniform(GGMLType.Q4_K),
+            "attn_k": GGMLType.Q6_K,
+            "attn_v": GGMLType.Q8_0,
+            "attn_output": GGMLType.Q6_K,
+            "ffn_gate": GGMLType.Q8_0,
+            "ffn_down": GGMLType.Q4_1,
+        },
+    ),
+}
+
+
+# with NUMBA_DISABLE_JIT=1 (plain Python kernels, slow) one narrow mixed case covers the code paths
+SLOW = set() if not DISABLED else set(CASES) - {"Q4_0+Q8_0"}
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("layer")
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_tiny_models_bit_identical(tiny_dir, name):
+    if name in SLOW:
+        pytest.skip("plain Python kernels (NUMBA_DISABLE_JIT): covered by the other cases")
+    spec, types = CASES[name]
+    types = {**types, "embd": GGMLType.Q8_0, "output": GGMLType.Q8_0}
+    path = write_tiny_llama(tiny_dir / f"{name.replace('/', '_')}.gguf", TinyLlama(**{**vars(spec), "types": types}))
+    assert_same(path)
+
+
+def test_one_thread(tiny_dir):
+    if DISABLED:
+        pytest.skip("plain Python kernels (NUMBA_DISABLE_JIT): threads do not apply")
+    spec, types = CASES["three"]
+    path = write_tiny_llama(tiny_dir / "one-thread.gguf", TinyLlama(**{**vars(spec), "types": types}))
+    assert_same(path, threads=1)
+
+
+def test_smollm2_bit_identical():
+    if DISABLED:
+        pytest.skip("SmolLM2 in plain Python kernels (NUMBA_DISABLE_JIT) takes minutes")
+    assert_same(smollm2_path())
+
+
+def test_falls_back(tiny_dir):
+    spec, types = CASES["Q4_0"]
+    path = write_tiny_llama(tiny_dir / "fallback.gguf", TinyLlama(**{**vars(spec), "types": types}))
+    model = ggufpy.load(path, backend="numba", tokenizer=False)
+    cfg, w = model.config, model.weights.layers[0]
+    assert layer.can_fuse(cfg, w, model.backend)
+    cache = model.new_cache(capacity=8)
+    cos, sin = model.numerics.rope_angles(np.arange(2), cfg.rope_dim, *cfg.rope(0))
+    h = np.ones((2, cfg.dim), np.float32)
+    assert layer.decode_block(model.backend, cfg, w, 0, h, 0, cos, sin, cache) is None  # T > 1
+    assert not cache.k[0].any()
+    # other numerics, other backends
+    other = ggufpy.load(path, backend="numba", tokenizer=False, numerics="llamacpp")
+    assert not layer.can_fuse(other.config, other.weights.layers[0], other.backend)
+    numpy_model = ggufpy.load(path, backend="numpy", tokenizer=False)
+    assert not layer.can_fuse(numpy_model.config, numpy_model.weights.layers[0], numpy_model.backend)
+    # float weights are not packed
+    floats = write_tiny_llama(tiny_dir / "f32.gguf", TinyLlama(**{**vars(spec), "types": uniform(GGMLType.F32)}))
+    f32 = ggufpy.load(floats, backend="numba", tokenizer=False)
+    assert not layer.can_fuse(f32.config, f32.weights.layers[0], f32.backend)
+    assert (
+        layer.decode_block(
+            f32.backend, f32.config, f32.weights.layers[0], 0, h[:1], 0, cos[:1], sin[:1], f32.new_cache(capacity=4)
+        )
+        is None
+    )
+
+
+def test_gemma_falls_back(tiny_dir):
+    """An architecture with post-norms and Q/K norms is left to Model.block (and decodes the same)."""
+    spec = TinyLlama(
+        arch="gemma3",
+        dim=256,
+        hidden_dim=512,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        tied_output=True,
+        types=uniform(GGMLType.Q8_0),
+    )
+    path = write_tiny_llama(tiny_dir / "gemma3.gguf", spec)
+    model = ggufpy.load(path, backend="numba", tokenizer=False)
+    assert not layer.can_fuse(model.config, model.weights.layers[0], model.backend)
