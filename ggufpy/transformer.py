@@ -100,7 +100,8 @@ class Model:
             if rope not in angles:
                 angles[rope] = self.numerics.rope_angles(positions, cfg.rope_dim, *rope, self.weights.rope_freqs)
             out = None
-            if self.decode_block is not None and T == 1 and trace is None:
+            # (only with the numerics the backend was built for: a record swapped on the model is obeyed)
+            if self.decode_block is not None and T == 1 and trace is None and self.numerics is self.backend.numerics:
                 out = self.decode_block(cfg, self.weights.layers[i], i, h, pos, *angles[rope], cache)
             h = self.block(h, i, pos, *angles[rope], cache, trace) if out is None else out
         cache.advance(pos + T)

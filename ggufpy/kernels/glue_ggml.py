@@ -322,7 +322,7 @@ def _softcap(s, cap):
     return cap * np_tanhf(s / cap)
 
 
-@jit(parallel=True, fast=True)
+@jit(parallel=True)
 def _attention(nt, q, k, v, start, scale, window, softcap, out):
     """q (T, H, E) f32; k, v (S, G, E) fp16 bits; out (T, H, E) f32."""
     previous = use_threads(nt)
