@@ -22,23 +22,12 @@ soft_max_ext, per row of n_kv scores (ops.cpp `ggml_compute_forward_soft_max_f32
     w    = kq * scale                      `ggml_vec_scale_f32`, f32 multiply
     w    = w + mask                        mask 0 or -inf (slope 1: the `slope*mask` FMA is the same add)
     m    = max(w)                          `ggml_vec_max_f32`, scalar loop (order-free)
-    e    = ggml_v_expf(w - m)              vec.h, `__AVX512F__ && __AVX512DQ__` branch (below)
+    e    = ggml_v_expf(w - m)              vec.h, `__AVX512F__ && __AVX512DQ__` branch (`unary.v_expf_512`)
     sum  = sum over 16-blocks i, in order, of (double) _mm512_reduce_add_ps(e[16i : 16i+16])   (vec.cpp
            `ggml_vec_soft_max_f32`; a scalar tail with libm `expf` for n % 16, never reached here: n_kv % 256 == 0)
     p    = e * (float)(1.0 / sum)          double division, rounded to f32 for `ggml_vec_scale_f32`
 
-`ggml_v_expf` (ARM optimized-routines exp, 16 lanes, `_mm512_fmadd_ps` / `_mm512_fnmadd_ps` are single-rounding
-FMAs):
-
-    z = fma(x, 0x1.715476p+0, 0x1.8p23);  n = z - 0x1.8p23               n = round(x / ln 2)
-    b = fma(-n, 0x1.7f7d1cp-20, fma(-n, 0x1.62e4p-1, x))                 x - n ln 2 in two steps
-    u = b * b
-    j = fma(fma(fma(c5, b, c4), u, fma(c3, b, c2)), u, fma(c1, b, 1))    degree-5 polynomial
-    e = scalef(j, n) = j * 2^n rounded once;  where |n| > 192: 0 if n <= 0, else +inf
-
-tanhf is glibc 2.36's (the libm this llama.cpp links; sysdeps/ieee754/flt-32/s_tanhf.c and s_expm1f.c, the
-fdlibm float code, compiled for baseline x86-64: plain f32 operations, no FMA), replayed in `tanhf_glibc`.
-glibc 2.41 replaced it with a correctly rounded tanhf: on such a system llama.cpp's softcap would differ.
+`ggml_v_expf` and glibc 2.36's `tanhf` (the softcap) are replayed in `unary.py`.
 """
 
 from __future__ import annotations
