@@ -13,12 +13,15 @@ from typing import Protocol
 
 import numpy as np
 
+from .constants import GGML_BLOCK_LAYOUT
 from .numerics import NUMERICS, Numerics
 from .quants import dequantize, vecdot
+from .quants.planes import PLANE_TYPES, dequantize_planes, permute
 from .weights import QuantTensor
 
 DEFAULT_CACHE_BYTES = 256 << 20
-TILE_BYTES = 4 << 20  # f32 rows dequantized at a time for weights that are not cached
+TILE_BYTES = 1 << 20  # f32 rows dequantized at a time for uncached weights: 1 MB stays in L2; 4 MB tiles
+# measured 2x slower for k-quant models (fresh temporaries past malloc's mmap threshold fault their pages in)
 FEW_ROWS = 16  # products with fewer activation rows are memory-bound matrix-vector work
 
 
@@ -109,11 +112,18 @@ class NumpyBackend:
     def _tiled(self, x: np.ndarray, w: QuantTensor) -> np.ndarray:
         """x @ W.T for a weight the cache has no room for: dequantized TILE_BYTES of rows at a time, so the f32
         copy never exists whole and its tile stays in cache (a whole fresh f32 copy of SmolLM2's 49152 x 576
-        output head costs more in page faults than in dequantizing)."""
+        output head costs more in page faults than in dequantizing). Types with a faster plane-order
+        dequantizer use it, with the activations permuted to match (`ggufpy.quants.planes`)."""
         rows, cols = w.shape
         blocks = w.raw.reshape(rows, -1)  # (rows, row_bytes)
         step = max(1, TILE_BYTES // (4 * cols))
         y = np.empty((x.shape[0], rows), np.float32)
+        if w.type in PLANE_TYPES:
+            xp = permute(x, GGML_BLOCK_LAYOUT[w.type][0])
+            for r0 in range(0, rows, step):
+                r1 = min(rows, r0 + step)
+                y[:, r0:r1] = xp @ dequantize_planes(blocks[r0:r1], w.type).reshape(cols, r1 - r0)  # (cols, rows)
+            return y
         for r0 in range(0, rows, step):
             r1 = min(rows, r0 + step)
             y[:, r0:r1] = x @ dequantize(blocks[r0:r1].reshape(-1), w.type, (r1 - r0, cols)).T
