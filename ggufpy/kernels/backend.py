@@ -32,7 +32,7 @@ from . import ops as kernel_ops
 from ._numba import set_threads
 from .attention import attention as _attention
 from .dequant import dequantize_blocks
-from .layout import GROUP, PACKED_TYPES, Packed, pack
+from .layout import GROUP, PACKED_TYPES, Packed, pack, trim_heap
 from .matvec import matvec, plan, unpack
 
 __all__ = ["VEC_DOT", "NumbaBackend"]
@@ -223,6 +223,8 @@ class NumbaBackend:
             self._plans.pop(w, None)
             spans.append((g0 * GROUP, p.rows))
             g0 = g1
+        del parts
+        trim_heap()  # the separate packed arrays are free now: give their pages back (see `trim_heap`)
         return stacked, plan(stacked), spans
 
     def _use_blas(self, n_rows: int) -> bool:

@@ -35,6 +35,8 @@ resident size is the packed size, not the sum of both.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import mmap
 from dataclasses import dataclass
 
@@ -48,7 +50,7 @@ from ..quants.kquants import k4_scales_mins
 from ..quants.legacy import fifth_bits
 from ..weights import QuantTensor
 
-__all__ = ["GROUP", "PACKED_TYPES", "Packed", "pack", "release_pages"]
+__all__ = ["GROUP", "PACKED_TYPES", "Packed", "pack", "release_pages", "trim_heap"]
 
 GROUP = 64  # rows per group: 64 f32 lanes = four AVX-512 vectors, 32 bytes of nibbles per element
 CHUNK_GROUPS = 32  # repack this many groups at a time, so temporaries stay small
@@ -344,3 +346,22 @@ def release_pages(a: np.ndarray) -> bool:
     except (OSError, ValueError):
         return False
     return True
+
+
+@functools.cache
+def _malloc_trim():
+    try:
+        return ctypes.CDLL(None).malloc_trim  # glibc
+    except (OSError, AttributeError):  # another C library, or not Linux
+        return None
+
+
+def trim_heap() -> bool:
+    """Return the C heap's free pages to the OS (glibc `malloc_trim`); False where there is no such call.
+
+    Stacking packed weights (`NumbaBackend.linears`) frees their separate copies, tens of MB at a time. glibc
+    raises its mmap threshold after such frees (up to 32 MB), so later arrays of that size come from the heap
+    and freed ones stay resident there: measured on a 0.77 GB Q8_0 model, peak RSS 1117 MiB without
+    trimming, 954 MiB with it."""
+    trim = _malloc_trim()
+    return bool(trim is not None and trim(0))
