@@ -140,12 +140,15 @@ BACKENDS = {"numpy": NumpyBackend, "numba": _numba_backend}
 
 
 def default_backend() -> str:
-    """The backend to use by default: "numba" when numba imports, else "numpy" (saying so on stderr)."""
-    from .kernels import AVAILABLE, IMPORT_ERROR
+    """The backend to use by default: "numba" when numba imports and compiles, else "numpy" (saying so on
+    stderr). With NUMBA_DISABLE_JIT=1 the numba kernels would run as plain Python loops, minutes per token:
+    they stay available as `backend="numba"` (for debugging them), but are not the default."""
+    from .kernels import AVAILABLE, IMPORT_ERROR, JIT_DISABLED
 
-    if AVAILABLE:
+    if AVAILABLE and not JIT_DISABLED:
         return "numba"
-    print(f"ggufpy: numba unavailable ({IMPORT_ERROR}); using the NumPy backend", file=sys.stderr)
+    why = "NUMBA_DISABLE_JIT is set" if AVAILABLE else f"numba unavailable ({IMPORT_ERROR})"
+    print(f"ggufpy: {why}; using the NumPy backend", file=sys.stderr)
     return "numpy"
 
 

@@ -619,8 +619,19 @@ def test_without_numba_the_package_imports_and_falls_back_to_numpy():
 
 
 @needs_numba
-def test_default_backend_is_numba_when_numba_imports():
+def test_default_backend_is_numba_when_numba_compiles():
     from ggufpy.backend import default_backend, make_backend
 
-    assert default_backend() == "numba"
+    # under NUMBA_DISABLE_JIT=1 the kernels are plain Python loops: still there on request, not the default
+    assert default_backend() == ("numpy" if kernels.JIT_DISABLED else "numba")
     assert make_backend("numba", threads=1).name == "numba"
+
+
+@needs_numba
+def test_disabled_jit_makes_numpy_the_default_and_says_so():
+    script = "from ggufpy.backend import default_backend; print(default_backend())"
+    env = {**os.environ, "NUMBA_DISABLE_JIT": "1"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "numpy"
+    assert "NUMBA_DISABLE_JIT is set; using the NumPy backend" in done.stderr

@@ -1,7 +1,8 @@
 """numba kernels: dequantization, fused quantized matrix-vector products, attention.
 
-Everything here is optional. `AVAILABLE` says whether numba imports; without it this package still imports
-and the NumPy reference (`ggufpy.quants`, `ggufpy.backend.NumpyBackend`) does all the work.
+Everything here is optional. `AVAILABLE` says whether numba imports (`JIT_DISABLED`: it does, but
+NUMBA_DISABLE_JIT=1 makes its kernels plain Python); without it this package still imports and the NumPy
+reference (`ggufpy.quants`, `ggufpy.backend.NumpyBackend`) does all the work.
 
     from ggufpy.kernels import AVAILABLE, NumbaBackend   # NumbaBackend raises ImportError without numba
 
@@ -14,15 +15,17 @@ quantizers), `matvec` (fused kernels), `attention`, `ops` (RMSNorm, RoPE, activa
 from __future__ import annotations
 
 try:
-    from . import _numba  # noqa: F401
+    from . import _numba
 except ImportError as e:  # numba missing or broken: the NumPy backend still works
     AVAILABLE = False
     IMPORT_ERROR: ImportError | None = e
+    JIT_DISABLED = False
 else:
     AVAILABLE = True
     IMPORT_ERROR = None
+    JIT_DISABLED = _numba.DISABLED  # NUMBA_DISABLE_JIT=1: the kernels run as plain Python
 
-__all__ = ["AVAILABLE", "IMPORT_ERROR", "NumbaBackend"]
+__all__ = ["AVAILABLE", "IMPORT_ERROR", "JIT_DISABLED", "NumbaBackend"]
 
 
 def __getattr__(name: str):
