@@ -67,7 +67,7 @@ def _codes5(b3: np.ndarray, qh_at: int, qs_at: int) -> np.ndarray:
     """Q5_0/Q5_1's 5-bit codes: u8[32, nb, rows]. Bit k of qh byte i is bit 4 of element 8i + k."""
     q = _codes4(_bytes(b3, qs_at, qs_at + 16))
     qh = _bytes(b3, qh_at, qh_at + 4)[:, None]  # (4, 1, nb, rows)
-    fifth = (qh & _BIT8) != 0  # (4, 8, nb, rows); a mask and a compare: NumPy's shifts are not vectorized
+    fifth = (qh & _BIT8) != 0  # (4, 8, nb, rows); mask-and-compare: 3-5x faster than shifts by an array of amounts
     q |= fifth.reshape(q.shape).view(np.uint8) * np.uint8(16)  # -> (32, nb, rows)
     return q
 
@@ -108,7 +108,7 @@ def _iq4_nl(b3: np.ndarray) -> np.ndarray:
     return _f16(b3, 0) * _KVALUES[_codes4(_bytes(b3, 2, 18))]
 
 
-# -- Q6_K (kquants.py): y = (d * scale) * (q - 32) per 16 elements --------------------------------------
+# -- k-quants (kquants.py): sub-block terms first (dl = d * sc), then dl * q - ml, or dl * (q - 32) (Q6_K) -----
 def _k4_terms(b3: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Q4_K/Q5_K: (d * sc, dmin * m) for the eight 32-element sub-blocks, each f32[8, 1, nb, rows]. The
     6-bit packing of `kquants.k4_scales_mins`, over byte planes."""
@@ -152,7 +152,7 @@ def _q6_k(b3: np.ndarray) -> np.ndarray:
     ql = _bytes(b3, 0, 128).reshape(2, 2, 32, nb, rows)  # (h, s, l): low 4 bits
     qh = _bytes(b3, 128, 192).reshape(2, 32, nb, rows)  # (h, l): high 2 bits at 2r
     q = np.empty((2, 4, 32, nb, rows), np.uint8)  # (h, r, l): element 128h + 32r + l
-    for r in range(4):  # scalar shifts: NumPy vectorizes those, not shifts by an array
+    for r in range(4):  # one shift amount per call: shifting by a broadcast array of amounts measured far slower
         low = ql[:, r % 2] & 0x0F if r < 2 else ql[:, r % 2] >> 4
         np.bitwise_or(low, ((qh >> 2 * r) & 3) << 4, out=q[:, r])
     q.view(np.int8)[...] -= 32
