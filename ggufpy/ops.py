@@ -53,10 +53,13 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, style: str) -> np.ndar
     return out
 
 
-def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+def softmax(x: np.ndarray, axis: int = -1, out: np.ndarray | None = None) -> np.ndarray:
+    """exp(x - max) / sum, along `axis`; into `out` when given (which may be x itself)."""
     m = np.max(x, axis=axis, keepdims=True)
-    e = np.exp(x - m)
-    return e / np.sum(e, axis=axis, keepdims=True)
+    e = np.subtract(x, m, out=out)
+    np.exp(e, out=e)
+    e /= np.sum(e, axis=axis, keepdims=True)
+    return e
 
 
 def attention(
@@ -78,11 +81,13 @@ def attention(
     S, G, _ = k.shape
     qg = q.reshape(T, G, H // G, E).transpose(1, 2, 0, 3)  # (G, H/G, T, E)
     kt = k.transpose(1, 2, 0)[:, None]  # (G, 1, E, S)
-    scores = (qg @ kt) * np.float32(scale)  # (G, H/G, T, S)
+    scores = qg @ kt  # (G, H/G, T, S)
+    # in place from here: a prefill's scores are MBs, and fresh temporaries that size fault their pages in
+    scores *= np.float32(scale)
     if softcap:
         scores = apply_softcap(scores, softcap)
-    scores = np.where(attention_mask(start, T, S, window), np.float32(-np.inf), scores)
-    probs = softmax(scores)
+    np.copyto(scores, np.float32(-np.inf), where=attention_mask(start, T, S, window))
+    probs = softmax(scores, out=scores)
     out = probs @ v.transpose(1, 0, 2)[:, None]  # (G, H/G, T, E)
     return out.transpose(2, 0, 1, 3).reshape(T, H * E)
 
