@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import ggufpy
-from conformance.fixtures import TinyLlama, write_tiny_llama
+from conformance.fixtures import TinyLlama, fixture_path, write_tiny_llama
 from ggufpy import ops
 from ggufpy.kvcache import ContextLengthError
 
@@ -182,3 +182,28 @@ def test_numpy_backend_without_room_in_its_cache_computes_the_same_products(tiny
     want = cached.logits(tokens)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     assert tiled.backend._used == 0 and cached.backend._used > 0
+
+
+@pytest.mark.parametrize("name", ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "iq4_nl", "q4_k", "q5_k", "q6_k", "q2_k"])
+def test_numpy_backend_tiles_in_plane_order_give_the_cached_logits(name):
+    """Uncached weights of the types in `quants.planes` are dequantized in plane order with permuted
+    activations (the others through the reference dequantizer): prompt and decode logits of each type's
+    conformance fixture equal, up to f32 summation order, those with every weight cached."""
+    from ggufpy import backend as backend_module
+
+    tokens = np.array([3, 1, 4, 1, 5, 9, 2, 6])
+    logits = {}
+    old = backend_module.TILE_BYTES
+    for cache_bytes in (1 << 30, 0):
+        model = ggufpy.load(fixture_path(name), backend="numpy", cache_bytes=cache_bytes, tokenizer=False)
+        backend_module.TILE_BYTES = 4 * 256 * 3  # a few rows per tile: many tiles
+        try:
+            cache = model.new_cache(capacity=16)
+            steps = [model.forward(tokens, 0, cache)]  # (8, V): a prefill
+            steps += [model.forward(np.array([t]), 8 + i, cache) for i, t in enumerate([7, 2])]  # decode
+        finally:
+            backend_module.TILE_BYTES = old
+        logits[cache_bytes] = np.concatenate(steps)
+        assert (model.backend._used > 0) == (cache_bytes > 0)
+    want, got = logits[1 << 30], logits[0]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
