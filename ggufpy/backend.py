@@ -119,14 +119,20 @@ class NumpyBackend:
         step = max(1, TILE_BYTES // (4 * cols))
         y = np.empty((x.shape[0], rows), np.float32)
         if w.type in PLANE_TYPES:
-            xp = permute(x, GGML_BLOCK_LAYOUT[w.type][0])
-            for r0 in range(0, rows, step):
-                r1 = min(rows, r0 + step)
-                y[:, r0:r1] = xp @ dequantize_planes(blocks[r0:r1], w.type).reshape(cols, r1 - r0)  # (cols, rows)
-            return y
+            x = permute(x, GGML_BLOCK_LAYOUT[w.type][0])
+
+            def tile(r0: int, r1: int) -> np.ndarray:  # (cols, r1 - r0) in plane order
+                return dequantize_planes(blocks[r0:r1], w.type).reshape(cols, r1 - r0)
+        else:
+
+            def tile(r0: int, r1: int) -> np.ndarray:  # (cols, r1 - r0)
+                return dequantize(blocks[r0:r1].reshape(-1), w.type, (r1 - r0, cols)).T
+
         for r0 in range(0, rows, step):
             r1 = min(rows, r0 + step)
-            y[:, r0:r1] = x @ dequantize(blocks[r0:r1].reshape(-1), w.type, (r1 - r0, cols)).T
+            # the tile is a temporary, freed before the next one is made, so malloc hands back the same warm
+            # pages (a tile kept alive in a variable over the next one measured 35% slower: fresh pages)
+            y[:, r0:r1] = x @ tile(r0, r1)
         return y
 
 
