@@ -12,6 +12,18 @@ GGUF_DEFAULT_ALIGNMENT = 32
 GGML_MAX_DIMS = 4
 GGML_MAX_NAME = 64  # tensor names are < 64 bytes (ggml.h GGML_MAX_NAME)
 
+# Limits on what a GGUF header may ask the reader to build (see docs/security.md). Each is far above every real
+# model (Gemma 3's 262,144-token vocabulary is a 4.4 MB string array, the largest headers are ~20 MB, templates
+# are tens of KB) and bounds the reader's memory and time on a crafted or sparse file. llama.cpp's gguf.cpp caps
+# strings and array counts at 2**30; ggufpy is tighter because it builds Python objects.
+GGUF_MAX_HEADER_BYTES = 256 * 2**20  # metadata and tensor infos end in the first 256 MiB (< 2**31: int32 offsets)
+GGUF_MAX_STRING_BYTES = 64 * 2**20  # one string: a key, a value or an array element
+GGUF_MAX_ARRAY_LEN = 2**24  # elements of one metadata array (16,777,216; vocabularies are < 300k)
+GGUF_MAX_KV = 2**16  # metadata key-value pairs in one file (real models: < 100)
+GGUF_MAX_TENSORS = 2**16  # tensor infos in one file (real models: < 3,000)
+GGUF_MAX_ARRAY_DEPTH = 2  # an array of arrays is read; deeper nesting is refused (gguf.cpp reads no nesting)
+GGUF_MAX_NESTED_ARRAYS = 2**16  # inner arrays of arrays-of-arrays in one file (each becomes a Python object)
+
 
 class GGMLType(IntEnum):
     """Tensor data types. Ids 4, 5, 31-33 and 36-38 were removed from ggml and are rejected."""
@@ -48,6 +60,8 @@ class GGMLType(IntEnum):
     TQ1_0 = 34
     TQ2_0 = 35
     MXFP4 = 39
+    NVFP4 = 40
+    Q1_0 = 41
 
 
 # (elements per block, bytes per block) for every type a file may name, including those ggufpy cannot
@@ -85,6 +99,8 @@ GGML_BLOCK_LAYOUT: dict[GGMLType, tuple[int, int]] = {
     GGMLType.TQ1_0: (256, 54),
     GGMLType.TQ2_0: (256, 66),
     GGMLType.MXFP4: (32, 17),
+    GGMLType.NVFP4: (64, 36),
+    GGMLType.Q1_0: (128, 18),
 }
 
 

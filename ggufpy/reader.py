@@ -8,16 +8,18 @@ File layout (llama.cpp `docs/gguf.md`, `ggml/src/gguf.cpp`), all little-endian:
     zero padding up to `general.alignment`
     tensor data (each offset relative to here, aligned)
 
-Every length and count is checked against the bytes left in the file before it is used, so a malformed
-file raises `GGUFError` naming the file, the field, the value and the rule, and never drives a large
-allocation. Tensor data is never copied: `raw()` returns a read-only view into the map.
+Every length and count is checked against the bytes left in the file and the limits of `ggufpy.constants`
+before it is used, so a malformed file raises `GGUFError` naming the file, the field, the value and the rule,
+and never drives a large allocation. Metadata values are copies; tensor data is not: `raw()` returns a
+read-only view into the map (or, with `open(path, mmap=False)`, into a copy read at open). A mapped file that
+shrinks while in use would kill the process with SIGBUS on the next read of a lost page, so `raw()`,
+`dequantize()` and `check()` compare the file's size and mtime with those seen at open (docs/security.md).
 """
 
 from __future__ import annotations
 
 import mmap
 import os
-import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from itertools import pairwise
@@ -32,17 +34,18 @@ from .constants import (
     GGML_MAX_NAME,
     GGUF_DEFAULT_ALIGNMENT,
     GGUF_MAGIC,
+    GGUF_MAX_KV,
+    GGUF_MAX_TENSORS,
     GGMLType,
     GGUFValueType,
 )
-from .cursor import Cursor
+from .cursor import Cursor, StringArray
 from .errors import GGUFFormatError, GGUFUnsupportedError
+from .splits import check_agrees, split_int, split_paths
 
-__all__ = ["GGUFFile", "TensorInfo", "open"]
+__all__ = ["GGUFFile", "StringArray", "TensorInfo", "open"]
 
 SUPPORTED_VERSIONS = (2, 3)
-
-_SPLIT_NAME = re.compile(r"^(?P<prefix>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
 
 @dataclass(frozen=True)
@@ -74,20 +77,65 @@ def _align(offset: int, alignment: int) -> int:
 
 
 class _Part:
-    """One parsed GGUF file: its map, metadata and tensor infos (absolute offsets)."""
+    """One parsed GGUF file: its map (or in-memory copy), metadata and tensor infos (absolute offsets)."""
 
-    def __init__(self, path: Path, index: int = 0):
+    def __init__(self, path: Path, index: int = 0, mmap_data: bool = True):
         self.path = path
-        with path.open("rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size == 0:
+        self.data: np.ndarray | None = None  # the tensor data read into memory (mmap_data=False)
+        self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+        try:
+            self.stat = os.fstat(self.fd)
+            if self.stat.st_size == 0:
                 raise GGUFFormatError(f"{path}: file is empty (a GGUF file starts with the magic 'GGUF')")
-            self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            self.map = mmap.mmap(self.fd, 0, access=mmap.ACCESS_READ)
+        except BaseException:
+            os.close(self.fd)
+            raise
         try:
             self._parse(index)
+            if not mmap_data:
+                self._read_data()
         except BaseException:
-            self.map.close()
+            self.close()
             raise
+
+    def _read_data(self) -> None:
+        """Copy the tensor data into memory and drop the map: nothing read later can fault."""
+        end = max((t.offset + t.nbytes for t in self.tensors.values()), default=self.data_offset)
+        data = np.empty(end - self.data_offset, np.uint8)
+        view, done = memoryview(data), 0
+        while done < data.size:
+            n = os.preadv(self.fd, [view[done:]], self.data_offset + done)
+            if n <= 0:
+                raise GGUFFormatError(
+                    f"{self.path}: tensor data ends at byte {self.data_offset + done} while reading it into memory, "
+                    f"expected {end} (the file shrank after its header was read)"
+                )
+            done += n
+        data.flags.writeable = False
+        self.data = data
+        self.close()
+
+    def check(self) -> None:
+        """Raise `GGUFFormatError` if the mapped file changed since it was opened (in-memory parts never do)."""
+        if self.data is not None or self.fd < 0:
+            return  # in memory, or closed (views handed out earlier can no longer be checked)
+        now = os.fstat(self.fd)
+        if (now.st_size, now.st_mtime_ns) != (self.stat.st_size, self.stat.st_mtime_ns):
+            raise GGUFFormatError(
+                f"{self.path}: the file changed after it was opened (size {self.stat.st_size} -> {now.st_size} "
+                "bytes, or rewritten): a mapped model file must not be modified while in use; open it again, or "
+                "open it with mmap=False to read the tensors into memory"
+            )
+
+    def view(self, info: TensorInfo) -> np.ndarray:
+        if self.data is not None:
+            start = info.offset - self.data_offset
+            return self.data[start : start + info.nbytes]
+        if self.fd < 0:
+            raise ValueError(f"{self.path}: the file is closed")
+        self.check()
+        return np.frombuffer(self.map, dtype=np.uint8, count=info.nbytes, offset=info.offset)
 
     def _parse(self, index: int) -> None:
         c = Cursor(self.map, str(self.path))
@@ -117,6 +165,12 @@ class _Part:
             raise c.fail("metadata kv count", f"{n_kv} key-value pairs cannot fit in a {c.size}-byte file", at=16)
         if n_tensors > (c.size - c.pos) // 33:
             raise c.fail("tensor count", f"{n_tensors} tensor infos cannot fit in a {c.size}-byte file", at=8)
+        if n_kv > GGUF_MAX_KV:
+            raise c.fail("metadata kv count", f"{n_kv} is above the limit of {GGUF_MAX_KV} (GGUF_MAX_KV)", at=16)
+        if n_tensors > GGUF_MAX_TENSORS:
+            raise c.fail(
+                "tensor count", f"{n_tensors} is above the limit of {GGUF_MAX_TENSORS} (GGUF_MAX_TENSORS)", at=8
+            )
 
         self.metadata: dict[str, Any] = {}
         self.value_types: dict[str, GGUFValueType] = {}
@@ -195,6 +249,9 @@ class _Part:
         return name, dtype, tuple(reversed(ne)), rel, n_elements // block * type_size, at
 
     def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
         try:
             self.map.close()
         except BufferError:
@@ -249,10 +306,17 @@ class GGUFFile(Mapping[str, TensorInfo]):
         """One record per file of the model (a single one unless the model is split)."""
         return [PartInfo(p.path, p.size, p.data_offset, len(p.tensors)) for p in self._parts]
 
+    @property
+    def mapped(self) -> bool:
+        """True when tensor data is read through the memory map, False when it was read into memory at open."""
+        return self._parts[0].data is None
+
     def raw(self, name: str) -> np.ndarray:
-        """The tensor's bytes as a read-only uint8 view into the map (no copy)."""
+        """The tensor's bytes as a read-only uint8 view into the map (no copy), or into the in-memory copy.
+
+        Raises `GGUFFormatError` if the mapped file changed since it was opened (see `check`)."""
         info = self[name]
-        return np.frombuffer(self._parts[info.part].map, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+        return self._parts[info.part].view(info)
 
     def dequantize(self, name: str) -> np.ndarray:
         """The tensor as float32 in its NumPy shape (a new array)."""
@@ -260,6 +324,15 @@ class GGUFFile(Mapping[str, TensorInfo]):
 
         info = self[name]
         return dequantize(self.raw(name), info.type, info.shape)
+
+    def check(self) -> None:
+        """Raise `GGUFFormatError` if a mapped file was truncated, grown or rewritten since it was opened.
+
+        Reading a page that a truncation removed kills the process with SIGBUS, which Python cannot catch, so
+        callers that hold `raw()` views (the model's weights) call this before using them: one `fstat` per file.
+        A truncation racing a read after the check still faults; `open(path, mmap=False)` cannot fault."""
+        for part in self._parts:
+            part.check()
 
     def close(self) -> None:
         for part in self._parts:
@@ -275,47 +348,38 @@ class GGUFFile(Mapping[str, TensorInfo]):
         return f"GGUFFile({str(self.path)!r}, version={self.version}, tensors={len(self.tensors)})"
 
 
-def _split_paths(path: Path, count: int) -> list[Path]:
-    m = _SPLIT_NAME.match(path.name)
-    if not m:
-        raise GGUFFormatError(
-            f"{path}: metadata 'split.count' is {count} but the file name does not follow "
-            "'<prefix>-00001-of-0000N.gguf', so the other parts cannot be found"
-        )
-    return [path.with_name(f"{m['prefix']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+def open(path: str | os.PathLike, *, mmap: bool = True) -> GGUFFile:
+    """Open a GGUF file. Opening any part of a split model opens the whole model.
 
-
-def open(path: str | os.PathLike) -> GGUFFile:
-    """Open a GGUF file. Opening any part of a split model opens the whole model."""
+    With `mmap=True` (the default) tensor data stays in the file and `raw()` views map it. With `mmap=False`
+    the tensor data is read into memory at open: more memory and a slower open, but nothing read later can
+    fault or change if the file is truncated or rewritten (see `GGUFFile.check`).
+    """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such GGUF file")
-    first = _Part(path)
-    count = first.metadata.get("split.count", 1)
-    if not isinstance(count, int) or count < 1 or count > 0xFFFF:
-        first.close()
-        raise GGUFFormatError(f"{path}: metadata 'split.count' is {count!r}: must be an integer in 1..65535")
-    if count == 1:
-        return GGUFFile([first])
-
+    named = _Part(path, mmap_data=mmap)
     parts: list[_Part] = []
     try:
-        paths = _split_paths(path, count)
-        for i, p in enumerate(paths):
-            if p == path and i == first.metadata.get("split.no"):
-                part = first
-                # re-index the first-opened part's tensors to its place in the split
+        count = split_int(named, "split.count", 1, 1, 0xFFFF)
+        no = split_int(named, "split.no", 0, 0, count - 1)
+        if count == 1:
+            return GGUFFile([named])
+        for i, p in enumerate(split_paths(path, no, count)):
+            if i == no:
+                part = named
+                # re-index the named part's tensors to its place in the split
                 part.tensors = {n: _reindex(t, i) for n, t in part.tensors.items()}
             else:
                 if not p.is_file():
                     raise GGUFFormatError(f"{path}: split part {i + 1} of {count} is missing: {p}")
-                part = _Part(p, i)
-            no = part.metadata.get("split.no")
-            if no != i:
-                raise GGUFFormatError(f"{p}: metadata 'split.no' is {no!r}, expected {i} for this part's file name")
+                part = _Part(p, i, mmap_data=mmap)
             parts.append(part)
-        if first not in parts:
-            first.close()
+            got = part.metadata.get("split.no")
+            if got != i:
+                raise GGUFFormatError(f"{p}: metadata 'split.no' is {got!r}, expected {i} for this part's file name")
+        for part in parts[1:]:
+            check_agrees(parts[0], part)
         model = GGUFFile(parts)
         expected = parts[0].metadata.get("split.tensors.count")
         if expected is not None and expected != len(model.tensors):
@@ -324,7 +388,7 @@ def open(path: str | os.PathLike) -> GGUFFile:
             )
         return model
     except BaseException:
-        for p in [*parts, first]:
+        for p in {id(p): p for p in [*parts, named]}.values():
             p.close()
         raise
 

@@ -1,9 +1,9 @@
 """Time opening the packaged models with ggufpy's reader and with gguf-py's `GGUFReader`, in one run.
 
 Each timed open parses the whole header and reads `tokenizer.ggml.tokens` in full through the reader's API
-(ggufpy decodes it while opening; gguf-py's `ReaderField.contents()` decodes it on request), so both have
-really parsed the metadata. Reports the best of N runs (page cache warm after the first) as a markdown table,
-or as JSON with `--json`.
+(ggufpy checks it while opening and `list()` decodes its `StringArray`; gguf-py's `ReaderField.contents()`
+decodes it on request), so both have really parsed the metadata. Reports the best of N runs (page cache warm
+after the first) as a markdown table, or as JSON with `--json`.
 
     python scripts/bench_open.py [--repeat 5] [--gguf-repeat 2] [--json] [--models smollm2 gemma3]
 """
@@ -28,7 +28,7 @@ TOKENS = "tokenizer.ggml.tokens"
 
 def open_ggufpy(path: str) -> list[str]:
     with ggufpy.open(path) as f:
-        return f.metadata[TOKENS]
+        return list(f.metadata[TOKENS])
 
 
 def open_gguf_py(path: str) -> list[str]:

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..constants import GGUFValueType
-from ..reader import GGUFFile
+from ..reader import GGUFFile, StringArray
 
 ARRAY_MAX = 8  # arrays longer than this are summarised...
 ARRAY_HEAD = 4  # ...by their length, element type and this many first items
@@ -108,7 +108,7 @@ def _bpw(nbytes: int, n_elements: int) -> float:
 
 def _json_value(value: Any, vtype: GGUFValueType | None = None) -> Any:
     """A metadata value as plain JSON: long arrays become {"length", "element_type", "head"}."""
-    if isinstance(value, (list, np.ndarray)):
+    if isinstance(value, (list, np.ndarray, StringArray)):
         long = len(value) > ARRAY_MAX
         items = [_json_value(v) for v in _elements(value[:ARRAY_HEAD] if long else value)]
         return {"length": len(value), "element_type": element_type(value), "head": items} if long else items
