@@ -46,9 +46,11 @@ else:
     DISABLED = True
 
 T = GGMLType
+STORAGE_TYPES = {T.I8, T.I16, T.I32, T.F64}
 SETTINGS = settings(max_examples=8 if DISABLED else 25, deadline=None, suppress_health_check=list(HealthCheck))
-PACKED = sorted(QUANT_TYPES.keys() - {T.F32, T.F16, T.BF16}) if kernels.AVAILABLE else []
-WEIGHT_TYPES = sorted(QUANT_TYPES)
+PACKED = sorted(QUANT_TYPES.keys() - {T.F32, T.F16, T.BF16} - STORAGE_TYPES) if kernels.AVAILABLE else []
+DEQUANT_TYPES = sorted(QUANT_TYPES)
+WEIGHT_TYPES = sorted(QUANT_TYPES.keys() - STORAGE_TYPES)  # the storage types hold ids and the like, not weights
 # llama.cpp multiplies by these (Q8_1 and Q8_K are activation formats without a vec_dot of their own)
 GGML_WEIGHT_TYPES = [t for t in WEIGHT_TYPES if t not in (T.Q8_1, T.Q8_K)]
 
@@ -67,7 +69,18 @@ FP16_SCALES = {
     T.Q6_K: (208,),
     T.IQ4_NL: (0,),
     T.IQ4_XS: (0,),
+    T.IQ2_XXS: (0,),
+    T.IQ2_XS: (0,),
+    T.IQ2_S: (0,),
+    T.IQ3_XXS: (0,),
+    T.IQ3_S: (0,),
+    T.IQ1_S: (0,),
+    T.TQ1_0: (52,),
+    T.TQ2_0: (64,),
 }
+for _name in ("Q1_0",):  # once GGMLType names it
+    if _name in T.__members__:
+        FP16_SCALES[T[_name]] = (0,)
 
 
 def random_weight(t: GGMLType, rows: int, cols: int, seed: int) -> QuantTensor:
@@ -85,6 +98,14 @@ def random_weight(t: GGMLType, rows: int, cols: int, seed: int) -> QuantTensor:
         blocks[:, o : o + 2] = (rng.standard_normal(n) * 0.01).astype("<f2").view(np.uint8).reshape(n, 2)
     if t == T.Q8_K:
         blocks[:, 0:4] = (rng.standard_normal(n) * 0.01).astype("<f4").view(np.uint8).reshape(n, 4)
+    if t == T.MXFP4:  # E8M0 exponents near 2^-8
+        blocks[:, 0] = rng.integers(115, 125, n)
+    if t.name == "NVFP4":  # UE4M3 scales below 1
+        blocks[:, 0:4] = rng.integers(0, 0x38, (n, 4))
+    if t == T.IQ1_M:  # its fp16 d is spread over the top nibbles of the four scale u16
+        d = (np.abs(rng.standard_normal(n)) * 0.01).astype("<f2").view(np.uint16)
+        for i in range(4):
+            blocks[:, 49 + 2 * i] = (blocks[:, 49 + 2 * i] & 0x0F) | (((d >> (4 * i)) & 15) << 4).astype(np.uint8)
     return QuantTensor("w", t, (rows, cols), blocks.reshape(-1))
 
 
@@ -109,7 +130,7 @@ def assert_close(got: np.ndarray, ref: np.ndarray, bound: np.ndarray, rtol: floa
 
 # -- dequantization ---------------------------------------------------------------------------------------------
 @needs_numba
-@pytest.mark.parametrize("t", WEIGHT_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("t", DEQUANT_TYPES, ids=lambda t: t.name)
 @SETTINGS
 @given(seed=st.integers(0, 2**32 - 1), n_blocks=st.integers(1, 6))
 def test_dequantize_is_bit_identical_to_the_reference(t, seed, n_blocks):
@@ -121,6 +142,17 @@ def test_dequantize_is_bit_identical_to_the_reference(t, seed, n_blocks):
     got = kernel_dequantize(raw, t, (n_blocks, cols))
     assert got.dtype == np.float32 and got.shape == ref.shape
     assert_bitwise(got, ref)
+
+
+@needs_numba
+def test_linear_types_come_from_the_kernel_tables():
+    """What the loader asks the backend (`linear_types`): every registered weight type in the exact numerics
+    (the storage types are no weights), and in the int8 path those with a vec_dot activation format."""
+    from ggufpy.kernels.backend import linear_types
+
+    assert set(WEIGHT_TYPES) <= linear_types(False) and not STORAGE_TYPES & linear_types(False)
+    assert linear_types(True) == set(FLOAT_TYPES) | (layout.PACKED_TYPES & VEC_DOT.keys())
+    assert {T.IQ2_XXS, T.IQ1_M, T.TQ1_0, T.MXFP4} <= linear_types(True)
 
 
 # -- repacking --------------------------------------------------------------------------------------------------
@@ -307,7 +339,11 @@ def _ggml_vec_dot(w: QuantTensor, x: np.ndarray) -> tuple[np.ndarray, np.ndarray
 
 
 @needs_numba
-@pytest.mark.parametrize("t", [t for t in GGML_WEIGHT_TYPES if t not in FLOAT_TYPES] if kernels.AVAILABLE else [])
+@pytest.mark.parametrize(
+    "t",
+    [t for t in GGML_WEIGHT_TYPES if t in VEC_DOT and t not in FLOAT_TYPES] if kernels.AVAILABLE else [],
+    ids=lambda t: t.name,
+)
 @SETTINGS
 @given(seed=st.integers(0, 2**32 - 1), rows=st.integers(1, 70), n_tokens=st.integers(1, 3))
 def test_int8_linear_matches_ggml_vec_dot(t, seed, rows, n_tokens):

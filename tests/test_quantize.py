@@ -66,7 +66,7 @@ def roundtrip(x: np.ndarray, t: GGMLType) -> np.ndarray:
 
 
 def test_gguf_py_quantizers_are_the_expected_ones():
-    expected = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
+    expected = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "TQ1_0", "TQ2_0", "MXFP4"]
     assert sorted(t.name for t in GGUF_QUANTIZABLE) == sorted(expected)
 
 
@@ -269,7 +269,15 @@ BOUNDS = {
     GGMLType.Q8_0: _bound_q8_0,
     GGMLType.Q8_1: _bound_q8_0,
     GGMLType.Q8_K: lambda x: _absmax(x) / np.float32(127) / 2,
+    # d = fp16(amax), codes -1, 0, 1: half a step, plus the fp16 rounding of d
+    GGMLType.TQ1_0: lambda x: _absmax(x) / 2 + np.abs(_absmax(x) - _f16(_absmax(x))),
+    GGMLType.TQ2_0: lambda x: _absmax(x) / 2 + np.abs(_absmax(x) - _f16(_absmax(x))),
+    # d = 2^(floor(log2 amax) - 3), so amax < 16 d; the widest gap of the doubled E2M1 grid is 8d..12d, and
+    # amax may sit 4d above the top value 12d
+    GGMLType.MXFP4: lambda x: _absmax(x) / 4 + _absmax(x) * np.float32(2.0**-20),
 }
+# NVFP4 (a scale per 16 that may underflow to 0) and Q1_0 (+-mean|x|): never worse than 0 for every element
+BOUNDS |= {GGMLType[name]: _absmax for name in ("NVFP4", "Q1_0") if name in GGMLType.__members__}
 
 
 @pytest.mark.parametrize("t", QUANTIZABLE, ids=lambda t: t.name)

@@ -35,7 +35,7 @@ from .dequant import dequantize_blocks
 from .layout import GROUP, PACKED_TYPES, Packed, pack, trim_heap
 from .matvec import matvec, plan, unpack
 
-__all__ = ["VEC_DOT", "NumbaBackend"]
+__all__ = ["VEC_DOT", "NumbaBackend", "linear_types"]
 
 # ggml-cpu.c type_traits_cpu[...].vec_dot_type for the types the backend repacks. Q8_1 and Q8_K are
 # activation formats ggml never multiplies as weights: they keep f32 activations.
@@ -52,10 +52,32 @@ VEC_DOT = {
     GGMLType.Q5_K: act.Q8_K,
     GGMLType.Q6_K: act.Q8_K,
     GGMLType.IQ4_XS: act.Q8_K,
+    GGMLType.IQ2_XXS: act.Q8_K,
+    GGMLType.IQ2_XS: act.Q8_K,
+    GGMLType.IQ2_S: act.Q8_K,
+    GGMLType.IQ3_XXS: act.Q8_K,
+    GGMLType.IQ3_S: act.Q8_K,
+    GGMLType.IQ1_S: act.Q8_K,
+    GGMLType.IQ1_M: act.Q8_K,
+    GGMLType.TQ1_0: act.Q8_K,
+    GGMLType.TQ2_0: act.Q8_K,
+    GGMLType.MXFP4: act.Q8_0,
     GGMLType.Q8_1: act.EXACT,
     GGMLType.Q8_K: act.EXACT,
 }
+# Q1_0 (packed in sub-blocks of 32 for this): once `GGMLType` names it. NVFP4 (vec_dot type Q8_0 too) has no
+# entry: its scales change every 16 elements, within one Q8_0 block, which the activation terms cannot express.
+VEC_DOT |= {GGMLType[name]: act.Q8_0 for name in ("Q1_0",) if name in GGMLType.__members__}
 FLOAT_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16)
+
+
+def linear_types(quantize_activations: bool) -> frozenset[GGMLType]:
+    """The weight types `NumbaBackend.linear` multiplies by, from its kernel tables: the float types and the
+    packed ones, and with quantized activations (llamacpp numerics) only those with a vec_dot type here."""
+    packed = PACKED_TYPES & VEC_DOT.keys() if quantize_activations else PACKED_TYPES
+    return frozenset(FLOAT_TYPES) | packed
+
+
 TILE_BYTES = 4 << 20  # dense f32 tile for the BLAS path: a few MB stays in L2/L3
 BLAS_ROWS = 16  # prefill of this many rows or more goes through BLAS (measured crossover: 8-16 rows)
 PARALLEL_MIN = 0  # multiply-adds below which a product runs on one thread (see docs/kernels.md)
@@ -196,7 +218,11 @@ class NumbaBackend:
         return groups
 
     def _product(self, x: np.ndarray, p: Packed, planned: tuple) -> np.ndarray:
-        mode = VEC_DOT[p.type] if self.numerics.quantize_activations else act.EXACT
+        mode = act.EXACT
+        if self.numerics.quantize_activations:
+            if p.type not in VEC_DOT:
+                raise NotImplementedError(f"no {self.numerics.name} numerics kernel for {p.type.name} weights")
+            mode = VEC_DOT[p.type]
         if self._use_blas(x.shape[0]):
             return self._blas_linear(x, p, mode)
         xv, terms = (x, None) if mode == act.EXACT else act.prepare(x, mode, p.sub, self.x86_activations)
@@ -359,6 +385,13 @@ class NumbaBackend:
             dequantize_blocks(w.type, blocks[r0:r1], tile.reshape(-1, 1))
             y[:, r0:r1] = x @ tile.T
         return y
+
+    # -- batched decode (`Model.decode_batch`), kernels in `batched.py` -------------------------------------
+    def linears_rows(self, x: np.ndarray, ws: tuple[QuantTensor, ...]) -> list[np.ndarray]:
+        """`linears` for B rows of B independent sequences, each row bit-identical to its product alone."""
+        from .batched import linears_rows  # imports this module
+
+        return linears_rows(self, x, ws)
 
     def __repr__(self) -> str:
         return (

@@ -29,6 +29,11 @@ Memory, in bits per weight (file -> packed): Q4_0 4.5 -> 4.5, Q4_1 5 -> 5, Q5_0 
 Q8_0 8.5 -> 8.5, IQ4_NL 4.5 -> 8.5, Q2_K 2.625 -> 4.625, Q3_K 3.4375 -> 4.5625, Q4_K 4.5 -> 4.625,
 Q5_K 5.5 -> 6.625, Q6_K 6.5625 -> 6.5625, IQ4_XS 4.25 -> 8.5625, Q8_K 9.125 -> 8.125, plus row padding to
 a multiple of 64.
+
+The grid, ternary, binary and FP4 formats (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M, TQ1_0, TQ2_0,
+MXFP4, NVFP4, Q1_0) are not split: one value per weight would cost 2-6x their 1.1-4.5 bits. Their family
+"blocks" keeps the file's blocks, rows padded to whole groups: q u8[G, 64, row bytes], no scale arrays
+(`a` is empty); `rawblocks.py` decodes grid indices, signs and scales inside the kernels. 1.0x the file.
 F32/F16/BF16 weights are not repacked. `pack` releases the file pages it read (`release_pages`), so the
 resident size is the packed size, not the sum of both.
 """
@@ -49,6 +54,7 @@ from ..quants.iquants import KVALUES_IQ4NL
 from ..quants.kquants import k4_scales_mins
 from ..quants.legacy import fifth_bits
 from ..weights import QuantTensor
+from .rawblocks import BLOCK_TYPES
 
 __all__ = ["GROUP", "PACKED_TYPES", "Packed", "pack", "release_pages", "trim_heap"]
 
@@ -63,7 +69,7 @@ class Packed:
     type: GGMLType
     rows: int
     cols: int
-    family: str  # "nib", "nib6" or "i8"
+    family: str  # "nib", "nib6", "i8" or "blocks"
     style: str  # "block" or "super"
     sub: int  # elements per sub-block
     zo: int  # zero point added to every stored value
@@ -240,7 +246,7 @@ _RECIPES: dict[GGMLType, _Recipe] = {
     GGMLType.Q6_K: _Recipe(_split_q6_k, "nib6", "super", 16, -32),
     GGMLType.IQ4_XS: _Recipe(_split_iq4_xs, "i8", "super", 32, 0),
 }
-PACKED_TYPES = frozenset(_RECIPES)
+PACKED_TYPES = frozenset(_RECIPES) | frozenset(BLOCK_TYPES)
 _VALUE_BYTES = {"nib": 32, "nib6": 48, "i8": 64}
 _VALUE_DTYPE = {"nib": np.uint8, "nib6": np.uint8, "i8": np.int8}
 
@@ -274,6 +280,8 @@ def _padded(x: np.ndarray, rows: int) -> np.ndarray:
 def pack(w: QuantTensor, release: bool = True) -> Packed:
     """Repack a 2-D weight of a type in `PACKED_TYPES`. With `release`, the file pages the weight was read
     from are returned to the OS afterwards (they stay in the page cache)."""
+    if w.type in BLOCK_TYPES:
+        return _pack_blocks(w, release)
     recipe = _RECIPES[w.type]
     qt = quant_type(w.type)
     rows, cols = w.shape
@@ -302,6 +310,21 @@ def pack(w: QuantTensor, release: bool = True) -> Packed:
                 arrays[name][g0:g1] = _by_group(_padded(part, n_rows))
     _to_fp16(arrays)
     return Packed(w.type, rows, cols, recipe.family, recipe.style, recipe.sub, recipe.zo, **arrays)
+
+
+def _pack_blocks(w: QuantTensor, release: bool) -> Packed:
+    """The "blocks" family: the file's rows as they are, in whole groups (zero rows decode to zeros)."""
+    rows, cols = w.shape
+    G = -(-rows // GROUP)
+    raw = w.raw.reshape(rows, -1)
+    q = np.zeros((G * GROUP, raw.shape[1]), np.uint8)
+    for r0 in range(0, rows, CHUNK_GROUPS * GROUP):
+        r1 = min(rows, r0 + CHUNK_GROUPS * GROUP)
+        q[r0:r1] = raw[r0:r1]
+        if release:
+            release_pages(raw[r0:r1])
+    sub = BLOCK_TYPES[w.type].sub
+    return Packed(w.type, rows, cols, "blocks", "block", sub, 0, q.reshape(G, GROUP, -1), np.zeros((G, 0, GROUP), np.uint16))
 
 
 def _to_fp16(arrays: dict[str, np.ndarray]) -> None:

@@ -1,7 +1,9 @@
-"""Plain floating-point element types: F32, F16 and BF16 (one element per "block").
+"""Plain element types (one element per "block"): F32, F16, BF16, and the storage types I8, I16, I32, F64.
 
 Conversions follow llama.cpp `ggml/src/ggml-impl.h`: `ggml_compute_fp16_to_fp32` / `..._fp32_to_fp16`
 (IEEE binary16, round to nearest even) and `ggml_compute_bf16_to_fp32` / `ggml_compute_fp32_to_bf16`.
+ggml has no `to_float` for the integer types and F64 (a model keeps small tensors in them, e.g. token type
+ids); they are read as C reads them, `(float)x`: integers above 2^24 and doubles round to nearest even.
 """
 
 from __future__ import annotations
@@ -12,6 +14,10 @@ __all__ = [
     "dequantize_bf16",
     "dequantize_f16",
     "dequantize_f32",
+    "dequantize_f64",
+    "dequantize_i8",
+    "dequantize_i16",
+    "dequantize_i32",
     "fp32_to_bf16_bits",
     "quantize_bf16",
     "quantize_f16",
@@ -53,3 +59,20 @@ def fp32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
 
 def quantize_bf16(x: np.ndarray) -> np.ndarray:  # f32[n, 1] -> u8[n, 2]
     return fp32_to_bf16_bits(x).view(np.uint8)
+
+
+def dequantize_i8(blocks: np.ndarray) -> np.ndarray:  # u8[n, 1] -> f32[n, 1]
+    return blocks.view(np.int8).astype(np.float32)
+
+
+def dequantize_i16(blocks: np.ndarray) -> np.ndarray:  # u8[n, 2] -> f32[n, 1]
+    return blocks.view("<i2").astype(np.float32)
+
+
+def dequantize_i32(blocks: np.ndarray) -> np.ndarray:  # u8[n, 4] -> f32[n, 1]
+    return blocks.view("<i4").astype(np.float32)
+
+
+def dequantize_f64(blocks: np.ndarray) -> np.ndarray:  # u8[n, 8] -> f32[n, 1]
+    with np.errstate(over="ignore"):  # beyond f32's range -> inf, as the C cast
+        return blocks.view("<f8").astype(np.float32)

@@ -8,6 +8,7 @@ expression, as gguf-py does; the ggml build in llama-cpp-python agrees byte for 
 Q8_0/Q8_1 round with `roundf` (ties away from zero), Q8_K with `nearest_int` (ties to even).
 
 `quantize_q8_0_x86` / `quantize_q8_1_x86` are the variants llama.cpp's CPU matmul actually runs on x86.
+TQ1_0/TQ2_0 (`lroundf`, ties away from zero), MXFP4, NVFP4 and Q1_0 follow their `quantize_row_*_ref` too.
 The k-quant and IQ weight quantizers (iterative scale searches) are not implemented.
 """
 
@@ -16,8 +17,13 @@ from __future__ import annotations
 import numpy as np
 
 from .fields import as_bytes
+from .lowbit import KVALUES_MXFP4, UE4M3_HALF, e8m0_to_fp32_half
 
 __all__ = [
+    "fp32_to_ue4m3",
+    "quantize_mxfp4",
+    "quantize_nvfp4",
+    "quantize_q1_0",
     "quantize_q4_0",
     "quantize_q4_1",
     "quantize_q5_0",
@@ -27,6 +33,8 @@ __all__ = [
     "quantize_q8_1",
     "quantize_q8_1_x86",
     "quantize_q8_K",
+    "quantize_tq1_0",
+    "quantize_tq2_0",
     "round_half_away",
 ]
 
@@ -157,3 +165,86 @@ def quantize_q8_K(x: np.ndarray) -> np.ndarray:  # `quantize_row_q8_K_ref`
     d = np.divide(np.float32(1), iscale, out=np.zeros_like(iscale), where=nonzero)
     bsums = q.reshape(n, 16, 16).sum(axis=2, dtype=np.int16)
     return as_bytes(d.astype("<f4"), q, bsums.astype("<i2"))
+
+
+def _ternary(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """TQ1_0/TQ2_0: d = amax (f32), digits lroundf(x / d) + 1 in {0, 1, 2}: u8[n, 256]."""
+    d = np.abs(x).max(axis=1, keepdims=True)
+    return d, (round_half_away(x * _inverse(d)) + 1).astype(np.uint8)
+
+
+def _base3(digits: np.ndarray) -> np.ndarray:
+    """Digits u8[n, k, m] (most significant first along k) -> the bytes `ceil(q * 256 / 243)` that put q's
+    trits at the top of a byte, as ggml reads them back (`((u8)(b * 3^k) * 3) >> 8`)."""
+    k = digits.shape[1]
+    q = (digits.astype(np.uint16) * (3 ** np.arange(k - 1, -1, -1, dtype=np.uint16))[:, None]).sum(axis=1)
+    q = q * 3 ** (5 - k)  # the qh bytes hold 4 trits, shifted to the top one
+    return ((q * 256 + 242) // 243).astype(np.uint8)
+
+
+def quantize_tq1_0(x: np.ndarray) -> np.ndarray:  # `quantize_row_tq1_0_ref`; layout in lowbit.py
+    n = x.shape[0]
+    d, q = _ternary(x)
+    qs0 = _base3(q[:, :160].reshape(n, 5, 32))  # byte m: elements m + 32k, k = 0..4
+    qs1 = _base3(q[:, 160:240].reshape(n, 5, 16))  # byte 32 + m: elements 160 + m + 16k
+    qh = _base3(q[:, 240:].reshape(n, 4, 4))  # byte 48 + j: elements 240 + j + 4k
+    return as_bytes(qs0, qs1, qh, _fp16(d))
+
+
+def quantize_tq2_0(x: np.ndarray) -> np.ndarray:  # `quantize_row_tq2_0_ref`; layout in lowbit.py
+    n = x.shape[0]
+    d, q = _ternary(x)
+    q = q.reshape(n, 2, 4, 32) << (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 4, 1)  # [h, l, m]
+    return as_bytes(np.bitwise_or.reduce(q, axis=2), _fp16(d))
+
+
+def _nearest_fp4(x: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """ggml-quants.c `best_index_mxfp4`: the code whose kvalues_mxfp4[code] * d is nearest to each element of
+    x (f32[n, k]), the first on ties; d f32[n, 1]: u8[n, k]."""
+    err = np.abs(KVALUES_MXFP4.astype(np.float32) * d[:, :, None] - x[:, :, None])  # [n, k, 16]
+    return np.argmin(err, axis=2).astype(np.uint8)
+
+
+def quantize_mxfp4(x: np.ndarray) -> np.ndarray:  # `quantize_row_mxfp4_ref`
+    """e = floor(log2(amax)) - 2 + 127 (E8M0), then each element's nearest doubled E2M1 value times
+    d = 2^(e - 128), the first on ties. log2f of f32 is taken as the double log2 rounded to f32 (correctly
+    rounded, which decides floor() just below a power of two)."""
+    n = x.shape[0]
+    amax = np.abs(x).max(axis=1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        log2 = np.log2(amax.astype(np.float64)).astype(np.float32)
+        e = np.where(amax > 0, np.floor(log2) - 2 + 127, 0).astype(np.int32).astype(np.uint8)  # C: wraps
+    q = _nearest_fp4(x, e8m0_to_fp32_half(e)).reshape(n, 2, 16)
+    return as_bytes(e, q[:, 0] | (q[:, 1] << 4))
+
+
+def fp32_to_ue4m3(x: np.ndarray) -> np.ndarray:
+    """ggml-impl.h `ggml_fp32_to_ue4m3`: 0 unless x > 0 (NaN too); clamp to 448; exponent (bias 7) <= 0: the
+    subnormal code (int)(x * 512 + 0.5) capped at 7; >= 15: 0x7E; else the mantissa's top 3 bits rounded half
+    up on bit 19, a carry bumping the exponent (to 0x7E again at 15)."""
+    x = np.minimum(np.asarray(x, np.float32), np.float32(448))
+    bits = x.view(np.uint32).astype(np.int64)
+    exp = ((bits >> 23) & 0xFF) - 127 + 7
+    with np.errstate(invalid="ignore", over="ignore"):
+        sub = np.minimum((x * np.float32(512) + np.float32(0.5)).astype(np.int64), 7)
+    man = ((bits >> 20) & 7) + ((bits >> 19) & 1)
+    carried = np.where(man > 7, exp + 1, exp)
+    normal = np.where(carried >= 15, 0x7E, (carried << 3) | np.where(man > 7, 0, man))
+    code = np.where(exp <= 0, np.where(sub < 1, 0, sub), np.where(exp >= 15, 0x7E, normal))
+    return np.where(x > 0, code, 0).astype(np.uint8)
+
+
+def quantize_nvfp4(x: np.ndarray) -> np.ndarray:  # `quantize_row_nvfp4_ref`; layout in lowbit.py
+    """Per 16 elements: the UE4M3 code of amax / 6 (6 is E2M1's largest value), then the nearest E2M1 codes
+    times that scale, decoded and halved as the dequantizer reads it."""
+    n = x.shape[0]
+    xs = x.reshape(n * 4, 16)
+    ue = fp32_to_ue4m3(np.fmax.reduce(np.abs(xs), axis=1) / np.float32(6))  # u8[4n]; amax skips NaN, as ggml
+    q = _nearest_fp4(xs, UE4M3_HALF[ue][:, None]).reshape(n, 4, 2, 8)  # [n, s, nibble, j]
+    return as_bytes(ue.reshape(n, 4), q[:, :, 0] | (q[:, :, 1] << 4))
+
+
+def quantize_q1_0(x: np.ndarray) -> np.ndarray:  # `quantize_row_q1_0_ref`
+    """d = (sum |x|, summed left to right in f32) / 128; bit j set where x[j] >= 0."""
+    d = np.cumsum(np.abs(x), axis=1, dtype=np.float32)[:, -1:] / np.float32(128)
+    return as_bytes(_fp16(d), np.packbits(x >= 0, axis=1, bitorder="little"))

@@ -14,7 +14,7 @@ import numpy as np
 
 from ..constants import GGML_BLOCK_LAYOUT, GGMLType
 from ..errors import GGUFError, GGUFUnsupportedError
-from . import floats, iquants, kquants, legacy
+from . import floats, iqgrid, iquants, kquants, legacy, lowbit
 from . import quantizers as ref
 
 __all__ = ["QUANT_TYPES", "QuantType", "dequantize", "quant_type", "quantize"]
@@ -65,7 +65,28 @@ _TABLE: tuple[tuple[GGMLType, BlockFn, BlockFn | None], ...] = (
     (GGMLType.Q8_K, kquants.dequantize_q8_K, ref.quantize_q8_K),
     (GGMLType.IQ4_NL, iquants.dequantize_iq4_nl, None),
     (GGMLType.IQ4_XS, iquants.dequantize_iq4_xs, None),
+    (GGMLType.IQ2_XXS, iqgrid.dequantize_iq2_xxs, None),
+    (GGMLType.IQ2_XS, iqgrid.dequantize_iq2_xs, None),
+    (GGMLType.IQ2_S, iqgrid.dequantize_iq2_s, None),
+    (GGMLType.IQ3_XXS, iqgrid.dequantize_iq3_xxs, None),
+    (GGMLType.IQ3_S, iqgrid.dequantize_iq3_s, None),
+    (GGMLType.IQ1_S, iqgrid.dequantize_iq1_s, None),
+    (GGMLType.IQ1_M, iqgrid.dequantize_iq1_m, None),
+    (GGMLType.TQ1_0, lowbit.dequantize_tq1_0, ref.quantize_tq1_0),
+    (GGMLType.TQ2_0, lowbit.dequantize_tq2_0, ref.quantize_tq2_0),
+    (GGMLType.MXFP4, lowbit.dequantize_mxfp4, ref.quantize_mxfp4),
+    (GGMLType.I8, floats.dequantize_i8, None),
+    (GGMLType.I16, floats.dequantize_i16, None),
+    (GGMLType.I32, floats.dequantize_i32, None),
+    (GGMLType.F64, floats.dequantize_f64, None),
 )
+# Types newer than some `GGMLType` tables (gguf-py 0.19 / ggml ids 40, 41): registered once `constants.py`
+# names them and gives their block layout; until then a file using them is refused as unsupported.
+_BY_NAME: tuple[tuple[str, BlockFn, BlockFn | None], ...] = (
+    ("NVFP4", lowbit.dequantize_nvfp4, ref.quantize_nvfp4),
+    ("Q1_0", lowbit.dequantize_q1_0, ref.quantize_q1_0),
+)
+_TABLE += tuple((GGMLType[name], deq, q) for name, deq, q in _BY_NAME if name in GGMLType.__members__)
 
 QUANT_TYPES: dict[GGMLType, QuantType] = {
     t: QuantType(t, *GGML_BLOCK_LAYOUT[t], dequantize_blocks=deq, quantize_blocks=q) for t, deq, q in _TABLE
