@@ -117,6 +117,22 @@ class Reference:
         arrays.update({f"t:{k}": v.astype(np.float32) for k, v in self.tensors.items()})
         np.savez_compressed(path, **arrays)
 
+    def prefix(self, n: int) -> Reference:
+        """The first `n` positions, without the continuation (it follows the whole sequence).
+
+        Row t of a causal forward pass depends only on tokens 0..t, and ggml computes each output row of a
+        matmul alone, so these rows are llama.cpp's answer for the first n tokens, bit for bit, as long as
+        ggml picks the same kernels for n rows as for the whole ubatch: n >= 8 (tiled k-quants) and
+        n % 4 == 0 (the repacked gemm takes T - T % 4 rows, gemv the rest; see ggufpy/quants/x86/repack.py).
+        The padded KV length (256) is the same for any n up to 256.
+        """
+        if not 0 < n <= len(self.tokens):
+            raise ValueError(f"prefix of {n} positions: golden {self.name!r} holds {len(self.tokens)}")
+        lg = self.logits
+        logits = RefLogits(*(None if a is None else a[:n] for a in (lg.full, lg.ids, lg.values, lg.lse)))
+        tensors = {k: v[:n] for k, v in self.tensors.items()}
+        return Reference(self.name, self.tokens[:n], logits, tensors, self.continuation[:0], self.meta)
+
     @classmethod
     def load(cls, name: str, directory: Path = GOLDEN_DIR) -> Reference:
         meta = json.loads((directory / "manifest.json").read_text())[name]
@@ -173,6 +189,25 @@ def end_to_end(model, ref: Reference, continuation: bool = True) -> dict:
         result["greedy_match"] = int(len(same) if same.all() else np.argmin(same))
         result["greedy_len"] = len(ref.continuation)
     return result
+
+
+def bit_differences(model, ref: Reference) -> dict[str, int]:
+    """One free-running forward pass over the golden's tokens, traced: for every tensor the golden holds
+    (`l_out-N`, `result_norm`) and for the logits (`result_output`, the stored entries), how many elements
+    differ from llama.cpp's. All zero means every layer reproduced llama.cpp bit for bit, so teacher forcing
+    (`per_layer`) would feed each layer exactly the input it already had."""
+    trace: dict[str, np.ndarray] = {}
+    tokens = np.asarray(ref.tokens, np.int64)
+    logits = model.forward(tokens, 0, model.new_cache(capacity=len(tokens)), trace=trace)
+    out = {k: int(np.count_nonzero(trace[k] != v)) for k, v in ref.tensors.items()}
+    lg = ref.logits
+    if lg.full is not None:
+        out["result_output"] = int(np.count_nonzero(logits != lg.full))
+    else:
+        out["result_output"] = int(
+            np.count_nonzero(np.take_along_axis(logits, lg.ids.astype(np.int64), -1) != lg.values)
+        )
+    return out
 
 
 def layer_inputs(model, ref: Reference):

@@ -9,19 +9,32 @@ import os
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 
 from .constants import GGMLType, GGUFValueType
-from .errors import GGUFError, GGUFFormatError, GGUFUnsupportedError
+from .errors import GGUFError, GGUFFormatError, GGUFMetadataError, GGUFUnsupportedError
 from .loading import load
-from .reader import GGUFFile, TensorInfo, open
+from .packaged import resolve as _resolve_model
+from .reader import GGUFFile, TensorInfo
+from .reader import open as _open_file
 from .tokenizer import Tokenizer, load_tokenizer
 from .transformer import Model
 
 __version__ = "0.1.0"
+
+
+def open(path: str | os.PathLike | None = None, *, mmap: bool = True) -> GGUFFile:
+    """Open a GGUF file, or a packaged model by name or alias ("smollm2", "gemma-3-270m"; None = the default).
+
+    The metadata and tensor table are parsed; tensor data stays memory-mapped (or, with `mmap=False`, is read
+    into memory so that nothing can fault if the file changes). See `ggufpy.reader.open`.
+    """
+    return _open_file(_resolve_model(path), mmap=mmap)
+
 
 __all__ = [
     "GGMLType",
     "GGUFError",
     "GGUFFile",
     "GGUFFormatError",
+    "GGUFMetadataError",
     "GGUFUnsupportedError",
     "GGUFValueType",
     "Model",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import re
 import warnings
 from collections.abc import Mapping, Sequence
 from datetime import datetime
@@ -22,12 +23,21 @@ import jinja2.ext
 import jinja2.nodes
 import jinja2.utils
 from jinja2.exceptions import SecurityError, TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from .chat_bounds import DEFAULT_LIMITS, BoundedEnvironment, ChatTemplateError, RenderLimits, bounded_render
+from .chat_encode import REASONING_FIELDS, encode_chat
+
+__all__ = [
+    "CHATML_TEMPLATE",
+    "PLAIN_TEMPLATE",
+    "ChatTemplate",
+    "ChatTemplateError",
+    "RenderLimits",
+    "encode_chat",
+    "render_chat",
+]
 
 Message = Mapping[str, Any]
-
-# Names a message's reasoning may come under; templates read "reasoning_content" (gpt-oss reads "thinking").
-_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
 # --- the Jinja environment ---------------------------------------------------------------------------
@@ -106,12 +116,12 @@ def compile_template(template: str) -> jinja2.Template:
 
     Sandboxed and immutable (a template cannot mutate the messages), ``trim_blocks`` and ``lstrip_blocks`` on,
     ``loopcontrols`` (``break``/``continue``) and the ``generation`` tag enabled; globals ``raise_exception``,
-    ``strftime_now``, ``dict`` and a hardened ``namespace``; the ``tojson`` override.
+    ``strftime_now``, ``dict`` and a hardened ``namespace``; the ``tojson`` override. Beyond transformers,
+    rendering is bounded in work, value sizes and output (`ggufpy.chat_bounds`).
     """
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
-    )
+    env = BoundedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
+    env.finish_setup()
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     env.globals["dict"] = _TemplateDict()
@@ -165,7 +175,7 @@ def normalize_messages(messages: Sequence[Message]) -> list[dict[str, Any]]:
         if not isinstance(message, dict):
             raise TypeError(f"chat message {i} must be a mapping with 'role' and 'content', got {message!r}")
         message = {k: v for k, v in message.items() if v is not None}
-        reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
+        reasoning = next((message[k] for k in REASONING_FIELDS if message.get(k) is not None), None)
         if reasoning is not None:
             message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
         out.append(message)
@@ -180,6 +190,7 @@ def render_chat(
     bos_token: str = "",
     eos_token: str = "",
     tools: Sequence[Mapping[str, Any]] | None = None,
+    limits: RenderLimits = DEFAULT_LIMITS,
     **extra: Any,
 ) -> str:
     """Render ``messages`` (``[{"role": ..., "content": ...}, ...]``) with a Jinja chat template.
@@ -189,7 +200,7 @@ def render_chat(
     (``{"type": "function", "function": {...}}``); ``extra`` keyword arguments become template variables
     (e.g. ``enable_thinking=False``, ``documents=[...]``). As in transformers, ``tools`` and ``documents`` are
     defined (as ``None``) even when not given. Errors raised by the template (``raise_exception``) come out as
-    `jinja2.exceptions.TemplateError`.
+    `jinja2.exceptions.TemplateError`; a template that exceeds ``limits`` raises `ChatTemplateError`.
     """
     if tools is not None:
         bad = [t for t in tools if not isinstance(t, Mapping)]
@@ -201,7 +212,7 @@ def render_chat(
         tools=plain_data(None if tools is None else list(tools)),
         add_generation_prompt=add_generation_prompt,
     )
-    return compile_template(template).render(**variables)
+    return bounded_render(compile_template(template), variables, limits)
 
 
 # llama.cpp's fallback format (`LLM_CHAT_TEMPLATE_CHATML` in src/llama-chat.cpp)
@@ -216,31 +227,70 @@ class ChatTemplate:
 
     Build it from GGUF metadata: ``ChatTemplate(meta["tokenizer.chat_template"], bos_token=..., eos_token=...)``
     where the token strings are the vocabulary entries of ``tokenizer.ggml.bos_token_id`` / ``eos_token_id``.
+    ``name`` says where the template came from (``"tokenizer.chat_template"``, a built-in's name, ``"chatml"``)
+    and ``note`` is a one-line explanation when it is not the file's own, for a user interface to show;
+    ``stop`` the stop strings a reply in this format needs (plain-text formats have no end-of-turn token).
     """
 
-    def __init__(self, template: str, bos_token: str = "", eos_token: str = ""):
+    def __init__(
+        self,
+        template: str,
+        bos_token: str = "",
+        eos_token: str = "",
+        name: str = "",
+        note: str | None = None,
+        stop: Sequence[str] = (),
+    ):
         if not isinstance(template, str) or not template:
             raise ValueError("chat template must be a non-empty string (GGUF key tokenizer.chat_template)")
         self.template = template
         self.bos_token = bos_token
         self.eos_token = eos_token
+        self.name = name
+        self.note = note
+        self.stop = tuple(stop)  # strings that end a reply, for formats without an end-of-turn token
         compile_template(template)  # a malformed template fails here, not at first use
 
     @classmethod
-    def from_tokenizer(cls, tokenizer) -> ChatTemplate:
+    def from_tokenizer(cls, tokenizer, metadata: Mapping[str, Any] | None = None, warn: bool = True) -> ChatTemplate:
         """The template of a GGUF tokenizer (`tokenizer.chat_template`), with its BOS/EOS strings.
 
-        A model without a template gets ChatML with a warning, as llama.cpp's `common_chat_templates_init` does.
+        A file without one is, most often, a base model: when its ``metadata`` names no instruction tuning it
+        gets `PLAIN_TEMPLATE` (a base model never learnt turn tokens: the packaged Gemma 3 270M loops on them and
+        answers in plain text). Otherwise the built-in template `ggufpy.templates.detect` finds (architecture,
+        special tokens, name; without ``metadata`` the vocabulary alone), and ChatML when none fits, as
+        llama.cpp's `common_chat_templates_init` falls back. ``note`` says which; ``warn`` also warns.
         """
-        template = tokenizer.chat_template
+        template, name, note, stop = tokenizer.chat_template, "tokenizer.chat_template", None, ()
         if not template:
-            warnings.warn("the model has no tokenizer.chat_template; using ChatML", stacklevel=2)
-            template = CHATML_TEMPLATE
+            builtin = _detect_builtin(tokenizer, metadata)
+            if metadata is not None and _names_no_tuning(metadata):
+                template, name, stop = PLAIN_TEMPLATE, "plain", PLAIN_STOP
+                note = (
+                    f"the file has no chat template and general.name {metadata.get('general.name', '')!r} names no "
+                    "instruction tuning: a base model, so a plain 'User: / Assistant:' prompt is used"
+                    + (f" (--chat-template {builtin.name} for its family's turns)" if builtin else "")
+                )
+            elif builtin is not None:
+                template, name = builtin.source, builtin.name
+                note = f"the file has no chat template; using the built-in {builtin.name!r} template ({builtin.reason})"
+            else:
+                template, name = CHATML_TEMPLATE, "chatml"
+                note = "the file has no chat template and no built-in one fits it; using ChatML (llama.cpp's fallback)"
+            if warn:
+                warnings.warn(note, stacklevel=2)
+        return cls(template, *_bos_eos(tokenizer), name=name, note=note, stop=stop)
 
-        def piece(token_id):
-            return "" if token_id is None else tokenizer.piece(token_id)
+    @classmethod
+    def by_name(cls, name: str, tokenizer) -> ChatTemplate:
+        """A built-in template by name: ``plain``, ``chatml`` or one of `ggufpy.templates.TEMPLATES`."""
+        if name == "plain":
+            return cls(PLAIN_TEMPLATE, *_bos_eos(tokenizer), name=name, stop=PLAIN_STOP)
+        if name == "chatml":
+            return cls(CHATML_TEMPLATE, *_bos_eos(tokenizer), name=name)
+        from .templates import by_name
 
-        return cls(template, bos_token=piece(tokenizer.bos_id), eos_token=piece(tokenizer.eos_id))
+        return cls(by_name(name).source, *_bos_eos(tokenizer), name=name)
 
     def render(
         self,
@@ -262,3 +312,33 @@ class ChatTemplate:
 
     def __repr__(self) -> str:
         return f"ChatTemplate({len(self.template)} chars, bos_token={self.bos_token!r}, eos_token={self.eos_token!r})"
+
+
+# A base model's chat: plain text it has seen in pretraining, ended by stop strings (it has no end-of-turn token).
+PLAIN_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'system' %}{{ message['content'] | trim + '\\n\\n' }}"
+    "{% else %}{{ ('User: ' if message['role'] == 'user' else 'Assistant: ') + message['content'] | trim + '\\n' }}"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+PLAIN_STOP = ("\nUser:", "\nAssistant:")
+# general.name / general.finetune words that mean instruction (or chat) tuning
+_TUNED = re.compile(r"\b(it|instruct|chat|sft|dpo|rlhf|assistant)\b|-it\b|instruct", re.IGNORECASE)
+
+
+def _names_no_tuning(metadata: Mapping[str, Any]) -> bool:
+    """Whether the file's name and fine-tune fields say nothing of instruction tuning (a base model)."""
+    words = " ".join(str(metadata.get(k, "")) for k in ("general.name", "general.finetune", "general.basename"))
+    return not _TUNED.search(words)
+
+
+def _bos_eos(tokenizer) -> tuple[str, str]:
+    return tuple("" if i is None else tokenizer.piece(i) for i in (tokenizer.bos_id, tokenizer.eos_id))
+
+
+def _detect_builtin(tokenizer, metadata: Mapping[str, Any] | None):
+    """`ggufpy.templates.detect` on the file's metadata (or what the tokenizer knows), None if unavailable."""
+    try:
+        from .templates import detect
+    except ImportError:
+        return None
+    return detect(metadata if metadata is not None else {"tokenizer.ggml.tokens": tokenizer.vocab.tokens})

@@ -10,8 +10,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from . import schema
 from .arch import ArchSpec, arch_spec
-from .errors import GGUFError
+from .errors import GGUFMetadataError
 
 
 @dataclass(frozen=True)
@@ -56,48 +57,49 @@ class ModelConfig:
         return self.n_kv_heads * self.head_dim
 
 
-def _get(md: Mapping[str, Any], key: str, kind: type, default: Any = ...) -> Any:
-    if key not in md:
-        if default is ...:
-            raise GGUFError(f"metadata key {key!r} is required but missing")
-        return default
-    value = md[key]
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
-        raise GGUFError(f"metadata key {key!r} is {value!r}: expected {kind.__name__}")
-    return value
+def config_from_metadata(md: Mapping[str, Any], vocab_size: int, source: str | None = None) -> ModelConfig:
+    """Build the config; `vocab_size` comes from the embedding tensor (the authority llama.cpp uses).
 
-
-def config_from_metadata(md: Mapping[str, Any], vocab_size: int) -> ModelConfig:
-    """Build the config; `vocab_size` comes from the embedding tensor (the authority llama.cpp uses)."""
-    spec = arch_spec(md.get("general.architecture"))
+    Every key is checked against `ggufpy.schema.MODEL_KEYS`, and the keys against each other, so the forward
+    pass can trust the result; a violation is a `GGUFMetadataError` naming `source` (the file), key and rule.
+    """
+    spec = arch_spec(schema.read(md, schema.ARCHITECTURE, source=source))
     a = spec.name
-    dim = _get(md, f"{a}.embedding_length", int)
-    n_heads = _get(md, f"{a}.attention.head_count", int)
-    n_kv_heads = _get(md, f"{a}.attention.head_count_kv", int, n_heads)
-    if n_heads <= 0 or n_kv_heads <= 0 or n_heads % n_kv_heads:
-        raise GGUFError(f"head_count {n_heads} must be a positive multiple of head_count_kv {n_kv_heads}")
-    head_dim = _get(md, f"{a}.attention.key_length", int, dim // n_heads)
-    scaling = _get(md, f"{a}.rope.scaling.type", str, "none")
-    factor = _get(md, f"{a}.rope.scaling.factor", float, 0.0) or _get(md, f"{a}.rope.scale_linear", float, 0.0)
-    if scaling not in ("none", "linear") and factor not in (0.0, 1.0):
-        raise GGUFError(f"metadata {a}.rope.scaling.type is {scaling!r}: only 'none' and 'linear' are supported")
+    v = schema.read_all(md, schema.MODEL_KEYS, arch=a, source=source)
+
+    def key(field: str) -> str:
+        return schema.MODEL_KEYS[field].name.replace("{arch}", a)
+
+    n_heads = v["n_heads"]
+    n_kv_heads = v["n_kv_heads"] or n_heads
+    if n_heads % n_kv_heads:
+        raise schema.fail(key("n_kv_heads"), n_kv_heads, f"must divide {key('n_heads')} = {n_heads}", source)
+    head_dim = v["head_dim"] or v["dim"] // n_heads
+    if head_dim <= 0:
+        raise schema.fail(key("n_heads"), n_heads, f"must be <= {key('dim')} = {v['dim']} (head size 0)", source)
+    rope_dim = v["rope_dim"] or head_dim
+    if rope_dim > head_dim or rope_dim % 2:
+        raise schema.fail(key("rope_dim"), rope_dim, f"must be even and <= the head size {head_dim}", source)
+    if vocab_size <= 0:
+        raise GGUFMetadataError(f"{source or 'model'}: token_embd has {vocab_size} rows: no vocabulary")
+    factor = v["rope_scaling_factor"] or v["rope_scale_linear"]
+    if v["rope_scaling"] not in ("none", "linear") and factor not in (0.0, 1.0):
+        raise schema.fail(key("rope_scaling"), v["rope_scaling"], "must be 'none' or 'linear' (supported)", source)
     return ModelConfig(
         arch=spec,
-        dim=dim,
-        hidden_dim=_get(md, f"{a}.feed_forward_length", int),
-        n_layers=_get(md, f"{a}.block_count", int),
+        dim=v["dim"],
+        hidden_dim=v["hidden_dim"],
+        n_layers=v["n_layers"],
         n_heads=n_heads,
         n_kv_heads=n_kv_heads,
         head_dim=head_dim,
         vocab_size=vocab_size,
-        context_length=_get(md, f"{a}.context_length", int),
-        norm_eps=_get(md, f"{a}.attention.layer_norm_rms_epsilon", float, 1e-5),
-        rope_theta=_get(md, f"{a}.rope.freq_base", float, 10000.0),
-        rope_dim=_get(md, f"{a}.rope.dimension_count", int, head_dim),
+        context_length=v["context_length"],
+        norm_eps=v["norm_eps"],
+        rope_theta=v["rope_theta"],
+        rope_dim=rope_dim,
         rope_freq_scale=1.0 / factor if factor else 1.0,
-        sliding_window=_get(md, f"{a}.attention.sliding_window", int, None) if spec.swa_pattern else None,
-        attn_softcap=_get(md, f"{a}.attn_logit_softcapping", float, None) if spec.softcaps else None,
-        final_softcap=_get(md, f"{a}.final_logit_softcapping", float, None) if spec.softcaps else None,
+        sliding_window=v["sliding_window"] if spec.swa_pattern else None,
+        attn_softcap=v["attn_softcap"] if spec.softcaps else None,
+        final_softcap=v["final_softcap"] if spec.softcaps else None,
     )

@@ -16,3 +16,8 @@ class GGUFFormatError(GGUFError):
 
 class GGUFUnsupportedError(GGUFError):
     """The file is valid GGUF but uses something ggufpy does not support (version, quant type...)."""
+
+
+class GGUFMetadataError(GGUFError):
+    """A metadata value the model or tokenizer reads is missing, of the wrong type, or out of its range
+    (see `ggufpy.schema`, the table of every key read)."""

@@ -21,7 +21,9 @@ registers the engine with an exo checkout, and `python -m ggufpy.exo` starts an 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
+import math
 import os
 import sys
 from collections.abc import Iterable, Sequence
@@ -31,9 +33,13 @@ from typing import Any
 
 import numpy as np
 
+from .checks import check_request_id, is_real
+from .exo_models import PACKAGED_MODEL_IDS, available_models, gguf_in_folder, resolve_model
+from .exo_models import n_layers as _n_layers
 from .hf import HFStyleTokenizer
+from .kvcache import ContextLengthError
 from .sampling import Sampler, SamplingParams
-from .shard import DEFAULT_MAX_REQUESTS, Shard, ShardEngine
+from .shard import DEFAULT_MAX_REQUESTS, RequestCaches, Shard, ShardEngine
 
 try:  # the legacy exo tree (before exo commit 0fcee7083); its engines subclass this ABC
     from exo.inference.inference_engine import InferenceEngine as _ExoInferenceEngine
@@ -48,6 +54,7 @@ __all__ = [
     "EXO_AVAILABLE",
     "PACKAGED_MODEL_IDS",
     "GGUFInferenceEngine",
+    "RequestInFlightError",
     "available_models",
     "install_into_exo",
     "resolve_model",
@@ -55,105 +62,12 @@ __all__ = [
 
 ENGINE_NAME = "gguf"  # exo's `--inference-engine gguf`
 
-# model ids that name a packaged model (`ggufpy.packaged`), lower case
-PACKAGED_MODEL_IDS = {
-    "smollm2": "smollm2",
-    "smollm2-135m": "smollm2",
-    "smollm2-135m-instruct": "smollm2",
-    "huggingfacetb/smollm2-135m-instruct": "smollm2",
-    "gemma3": "gemma3",
-    "gemma3-270m": "gemma3",
-    "gemma-3-270m": "gemma3",
-    "gemma-3-270m-it": "gemma3",
-}
-
-
-# -- model ids -------------------------------------------------------------------------------------------
-
-
-def _gguf_in_folder(folder: Path) -> Path:
-    """The one model in `folder`: its single .gguf file, or the first part of a split model."""
-    found = sorted(folder.glob("*.gguf"))
-    firsts = [p for p in found if "-of-" not in p.stem or "-00001-of-" in p.stem]
-    if len(firsts) == 1:
-        return firsts[0]
-    if not firsts:
-        raise FileNotFoundError(f"{folder} holds no .gguf file")
-    names = ", ".join(p.name for p in firsts)
-    raise FileNotFoundError(f"{folder} holds several models ({names}): name the file in the model id")
-
-
-def _as_file(candidate: Path) -> Path | None:
-    if candidate.is_file():
-        return candidate
-    if candidate.is_dir():
-        return _gguf_in_folder(candidate)
-    return None
-
-
-def resolve_model(model_id: str | os.PathLike, models_dirs: Iterable[str | os.PathLike] = ()) -> Path:
-    """The GGUF file an exo `model_id` names, tried in this order:
-
-    1. a path to a .gguf file, or to a folder holding one model;
-    2. in each models folder: `<id>`, `<id>.gguf`, and `<id>` with "/" written "--" (exo's download folders,
-       e.g. `HuggingFaceTB--SmolLM2-135M-Instruct`), each a file or a folder;
-    3. a packaged model: `PACKAGED_MODEL_IDS` ("smollm2", "gemma3" and their usual names).
-    """
-    model_id = str(model_id)
-    found = _as_file(Path(model_id).expanduser())
-    if found is not None:
-        return found
-    tried = [model_id]
-    for folder in models_dirs:
-        for name in dict.fromkeys([model_id, model_id + ".gguf", model_id.replace("/", "--")]):
-            candidate = Path(folder).expanduser() / name
-            tried.append(str(candidate))
-            found = _as_file(candidate)
-            if found is not None:
-                return found
-    packaged = PACKAGED_MODEL_IDS.get(model_id.lower())
-    if packaged is not None:
-        from .packaged import PACKAGED_MODELS
-
-        return PACKAGED_MODELS[packaged]()
-    raise FileNotFoundError(
-        f"model id {model_id!r} names no GGUF file; tried {', '.join(tried)} and the packaged models "
-        f"({', '.join(sorted(PACKAGED_MODEL_IDS))})"
-    )
-
-
-def available_models(models_dirs: Iterable[str | os.PathLike] = ()) -> dict[str, Path]:
-    """Model id -> GGUF file for every model in the models folders (file stem or folder name) and every
-    installed packaged model (under its short name)."""
-    from .packaged import PACKAGED_MODELS, ModelNotInstalledError
-
-    out: dict[str, Path] = {}
-    for folder in models_dirs:
-        folder = Path(folder).expanduser()
-        for entry in sorted(folder.iterdir()) if folder.is_dir() else ():
-            try:
-                found = _as_file(entry)
-            except FileNotFoundError:
-                continue
-            if found is not None and found.suffix == ".gguf":
-                out.setdefault(entry.stem if entry.is_file() else entry.name, found)
-    for name, lookup in PACKAGED_MODELS.items():
-        try:
-            out.setdefault(name, lookup())
-        except (ModelNotInstalledError, OSError, ValueError):
-            pass
-    return out
-
-
-def _n_layers(path: Path) -> int:
-    from .reader import open as open_gguf
-
-    with open_gguf(path) as f:
-        arch = f.metadata["general.architecture"]
-        return int(f.metadata[f"{arch}.block_count"])
-
-
 # -- the engine ------------------------------------------------------------------------------------------
+
+
+class RequestInFlightError(RuntimeError):
+    """A call for a request id arrived while another call for the same id was running: two callers share
+    the id, and their positions would interleave in one KV cache."""
 
 
 class GGUFInferenceEngine(_ExoInferenceEngine):
@@ -163,6 +77,11 @@ class GGUFInferenceEngine(_ExoInferenceEngine):
     so this is cheap) and drops the KV caches. Keyword options: `models_dir` (one folder or several) where
     model ids are looked up; `backend` (default: numba when installed, else numpy), `numerics` and backend
     options as for `ggufpy.load`; `max_requests`, the KV-cache LRU size; `seed` for `sample` with temp > 0.
+
+    Requests are checked, since exo's protocol carries no positions: a second call for a request id while
+    one runs raises `RequestInFlightError`; a single token for a request the first shard does not hold (a
+    decode step after eviction, a shard switch or a restart) raises `EvictedRequestError`, as does any step
+    of a request dropped by a shard switch; a request that fills the context ends with EOS (`infer_tensor`).
     """
 
     def __init__(
@@ -185,7 +104,7 @@ class GGUFInferenceEngine(_ExoInferenceEngine):
         self.models_dirs = tuple(Path(d) for d in models_dir)
         self.backend = backend
         self.numerics = numerics
-        self.max_requests = max_requests
+        self.max_requests = RequestCaches(max_requests).max_requests  # checked now, not at the first shard
         self.backend_options = backend_options
         self.rng = np.random.default_rng(seed)
         self.engine: ShardEngine | None = None
@@ -194,9 +113,28 @@ class GGUFInferenceEngine(_ExoInferenceEngine):
         self.session: dict[str, Any] = {}  # exo's ABC shares one class-level dict; each engine gets its own
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ggufpy-exo")
         self._shard_lock = asyncio.Lock()
+        self._in_flight: set[str] = set()  # request ids with an infer_* call running
 
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.executor, functools.partial(fn, *args))
+
+    @contextlib.contextmanager
+    def _claim(self, request_id: str):
+        """Mark `request_id` in flight for one call; a second call meanwhile is refused, not interleaved.
+
+        Claimed before the call's first await, so two tasks started together (asyncio.gather) always collide.
+        """
+        check_request_id(request_id)
+        if request_id in self._in_flight:
+            raise RequestInFlightError(
+                f"request {request_id!r} already has a call running on this engine: two prompts or callers "
+                "share the id, and their positions would mix in one KV cache; give each request its own id"
+            )
+        self._in_flight.add(request_id)
+        try:
+            yield
+        finally:
+            self._in_flight.discard(request_id)
 
     # -- shards -------------------------------------------------------------------------------------------
     async def ensure_shard(self, shard: Any) -> None:
@@ -225,7 +163,7 @@ class GGUFInferenceEngine(_ExoInferenceEngine):
             if self.shard_downloader is None:
                 raise
         where = Path(await self.shard_downloader.ensure_shard(shard, type(self).__name__))
-        return where if where.is_file() else _gguf_in_folder(where)
+        return where if where.is_file() else gguf_in_folder(where)
 
     def _load(self, path: Path, shard: Shard) -> ShardEngine:
         from .backend import default_backend
@@ -246,6 +184,9 @@ class GGUFInferenceEngine(_ExoInferenceEngine):
     def _switch(self, shard: Any, engine: ShardEngine, path: Path) -> None:
         if self.tokenizer is None or path != self.model_path:
             self.tokenizer = HFStyleTokenizer(engine.tokenizer, engine.config.context_length)
+        if self.engine is not None:  # their positions stay behind: a continuation must not restart at 0
+            for request_id in self.engine.caches.ids():
+                engine.caches.forget(request_id)
         self.engine, self.shard, self.model_path = engine, shard, path
 
     # -- tokens -------------------------------------------------------------------------------------------
@@ -259,6 +200,15 @@ class GGUFInferenceEngine(_ExoInferenceEngine):
         return np.asarray(await self._run(self._encode, prompt), dtype=np.int64)
 
     def _encode(self, prompt: str) -> list[int]:
+        if not isinstance(prompt, str):
+            raise TypeError(f"a prompt must be a str, got {type(prompt).__name__}")
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as e:  # lone surrogates, e.g. from bytes decoded with surrogateescape
+            raise ValueError(
+                f"the prompt is not valid Unicode: {prompt[e.start : e.end]!r} at index {e.start} is a lone "
+                "surrogate; decode bytes with errors='replace' or 'strict' first"
+            ) from None
         tok = self.engine.tokenizer
         bos = tok.piece(tok.bos_id) if tok.bos_id is not None else None
         add_special = not (bos and prompt.startswith(bos))
@@ -267,7 +217,10 @@ class GGUFInferenceEngine(_ExoInferenceEngine):
     async def decode(self, shard: Any, tokens: Any) -> str:
         """Text of token ids (any shape), special tokens rendered as an HF tokenizer's `decode` does."""
         await self.ensure_shard(shard)
-        return await self._run(self.tokenizer.decode, tokens)
+        ids = np.asarray(tokens)
+        if ids.size and not np.issubdtype(ids.dtype, np.integer):  # decode would truncate 1.7 to 1
+            raise ValueError(f"token ids must be integers, got {ids.dtype}")
+        return await self._run(self.tokenizer.decode, ids)
 
     async def sample(self, x: np.ndarray, temp: float = 0.0, top_p: float = 1.0) -> np.ndarray:
         """The next token (1,) int64 from the last position of logits x (1, T, vocab); temp 0 is greedy.
@@ -278,8 +231,22 @@ class GGUFInferenceEngine(_ExoInferenceEngine):
         return await self._run(self._sample, x, temp, top_p)
 
     def _sample(self, x: np.ndarray, temp: float, top_p: float) -> np.ndarray:
-        logits = np.asarray(x, dtype=np.float32)
-        last = logits.reshape(-1, logits.shape[-1])[-1]  # x[:, -1, :] of (1, T, V)
+        if not (is_real(temp) and math.isfinite(temp) and temp >= 0):
+            raise ValueError(f"temp must be a finite number >= 0 (0 is greedy), got {temp!r}")
+        if not (is_real(top_p) and 0 < top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+        logits = np.asarray(x)
+        vocab = self.engine.config.vocab_size if self.engine is not None else None
+        if logits.ndim == 0 or logits.size == 0 or not np.issubdtype(logits.dtype, np.floating):
+            raise ValueError(f"sample takes logits (1, T, vocab) float32, got {logits.dtype} {logits.shape}")
+        if vocab is not None and logits.shape[-1] != vocab:
+            raise ValueError(
+                f"sample takes the last shard's logits (1, T, {vocab}); got {logits.shape}, whose last axis is "
+                "not the vocabulary (hidden states?)"
+            )
+        last = logits.reshape(-1, logits.shape[-1])[-1].astype(np.float32)  # x[:, -1, :] of (1, T, V)
+        if np.isnan(last).any():
+            raise ValueError(f"the logits to sample from hold NaN (at token {int(np.flatnonzero(np.isnan(last))[0])})")
         params = SamplingParams(temperature=temp, top_k=0, top_p=top_p, min_p=0.0)
         return np.array([Sampler(params, self.rng)(last)], dtype=np.int64)
 
@@ -289,18 +256,58 @@ class GGUFInferenceEngine(_ExoInferenceEngine):
     ) -> tuple[np.ndarray, dict | None]:
         """Run the shard on the request's next positions: token ids (1, T) on the first shard, hidden states
         (1, T, dim) elsewhere; returns hidden states (1, T, dim), or logits (1, T, vocab) on the last shard,
-        float32. `inference_state` passes through unchanged (ggufpy keeps its state in the KV caches)."""
-        await self.ensure_shard(shard)
-        out = await self._run(self.engine.forward, request_id, input_data)
+        float32. `inference_state` passes through unchanged (ggufpy keeps its state in the KV caches).
+
+        A request that has filled the model's context ends as exo ends requests: the last shard returns logits
+        whose only finite entry is the EOS token, the other shards pass the hidden states through."""
+        with self._claim(request_id):
+            await self.ensure_shard(shard)
+            out = await self._run(self._forward, request_id, input_data, False)
         return out, inference_state
 
     async def infer_prompt(
         self, request_id: str, shard: Any, prompt: str, inference_state: dict | None = None
     ) -> tuple[np.ndarray, dict | None]:
         """exo's `infer_prompt` (encode, then `infer_tensor` on (1, T)), starting the request afresh."""
-        tokens = await self.encode(shard, prompt)
-        out = await self._run(self.engine.forward, request_id, tokens.reshape(1, -1), True)
+        with self._claim(request_id):
+            tokens = await self.encode(shard, prompt)
+            out = await self._run(self._forward, request_id, tokens.reshape(1, -1), True)
         return out, inference_state
+
+    def _forward(self, request_id: str, x: Any, new_sequence: bool) -> np.ndarray:
+        engine = self.engine
+        x = np.asarray(x)
+        held = request_id in engine.caches
+        T = x.shape[1] if x.ndim >= 2 else 0
+        if new_sequence or T == 0:
+            return engine.forward(request_id, x, new_sequence)
+        if engine.is_first and not held and T == 1:
+            # exo's node feeds a sampled token back to the first shard; a request starts with infer_prompt
+            raise engine.caches.evicted(
+                request_id, "continues with one sampled token but this shard holds no positions for it"
+            )
+        if held and T > engine.room(request_id):
+            return self._end_of_context(request_id, x)
+        return engine.forward(request_id, x)
+
+    def _end_of_context(self, request_id: str, x: np.ndarray) -> np.ndarray:
+        """What a shard returns for a request with no room left: exo stops a request at the EOS token only."""
+        engine = self.engine
+        x = engine.check_input(x)  # a malformed input is still an error, even with no room left
+        eos = self.tokenizer.eos_token_id
+        if eos is None:
+            raise ContextLengthError(
+                f"request {request_id!r} filled the context length {engine.config.context_length} and the model "
+                "has no EOS token to end it with"
+            )
+        T = x.shape[0]
+        if engine.is_last:
+            logits = np.full((1, T, engine.config.vocab_size), -np.inf, np.float32)
+            logits[:, :, eos] = 0.0
+            return logits
+        if engine.is_first:
+            return np.zeros((1, T, engine.config.dim), np.float32)
+        return x[None]
 
     async def evaluate(self, *args, **kwargs):
         raise NotImplementedError("ggufpy runs inference only: no evaluate (training loss) support")

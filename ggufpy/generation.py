@@ -19,6 +19,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 
+from ggufpy.kvcache import ContextLengthError
 from ggufpy.sampling import Sampler, SamplingParams
 
 FinishReason = Literal["stop", "length", "eog"]
@@ -77,7 +78,9 @@ class GenerationResult:
 
     ``text`` is the concatenation of the yielded chunks (the stop string and end-of-generation tokens are not
     part of it). ``token_ids`` are all the sampled tokens, including a final end-of-generation token or the
-    tokens that spelled a stop string, so ``completion_tokens == len(token_ids)``.
+    tokens that spelled a stop string, so ``completion_tokens == len(token_ids)``. ``cached_tokens`` of the
+    prompt were already in the cache passed to `generate` and were not computed again. ``finish_reason`` is
+    "length" both at ``max_tokens`` and when the cache or the model's context is full.
     """
 
     text: str
@@ -87,11 +90,13 @@ class GenerationResult:
     completion_tokens: int
     prefill_seconds: float
     decode_seconds: float
+    cached_tokens: int = 0
 
     @property
     def prefill_tokens_per_second(self) -> float:
-        """Prompt tokens processed per second (0 when nothing was timed)."""
-        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds > 0 else 0.0
+        """Prompt tokens computed per second, cached ones not counted (0 when nothing was timed)."""
+        n = self.prompt_tokens - self.cached_tokens
+        return n / self.prefill_seconds if self.prefill_seconds > 0 else 0.0
 
     @property
     def decode_tokens_per_second(self) -> float:
@@ -193,6 +198,10 @@ class Generation(Iterator[GenerationChunk]):
 
     Created by `generate`. Nothing runs until the first ``next()``; breaking out of the loop early leaves
     ``.result`` unset (use `generate_text` or exhaust the iterator).
+
+    ``cache`` is the KV cache the generation wrote; ``cache_ids`` are the tokens it holds (the prompt and every
+    generated token but the last, which was sampled and never fed): pass both to the next `generate` call
+    of a conversation to compute only what is new.
     """
 
     def __init__(
@@ -203,9 +212,13 @@ class Generation(Iterator[GenerationChunk]):
         max_tokens: int,
         sampler: Sampler,
         stop: Sequence[str],
+        cache: Any = None,
     ):
         self._result: GenerationResult | None = None
-        self._steps = self._run(model, tokenizer, [int(t) for t in prompt_ids], max_tokens, sampler, tuple(stop))
+        prompt = [int(t) for t in prompt_ids]
+        self.cache = cache
+        self.cache_ids: list[int] = prompt[: cache.length] if cache is not None else []
+        self._steps = self._run(model, tokenizer, prompt, max_tokens, sampler, tuple(stop))
 
     def __iter__(self) -> Generation:
         return self
@@ -244,11 +257,15 @@ class Generation(Iterator[GenerationChunk]):
         finish: FinishReason = "length"
         prefill_s = decode_s = 0.0
 
+        cached = self.cache.length if self.cache is not None else 0
         if max_tokens > 0:
-            cache = model.new_cache()
+            if self.cache is None:
+                self.cache = model.new_cache()
+            cache = self.cache
             t0 = time.perf_counter()
-            logits = model.forward(np.asarray(prompt, dtype=np.int64), 0, cache, last_only=True)[-1]
-            token = sampler(logits, history)
+            logits = model.forward(np.asarray(prompt[cached:], dtype=np.int64), cached, cache, last_only=True)[-1]
+            self.cache_ids = list(prompt)
+            token = sampler(_finite(model, logits, prompt), history)
             prefill_s = time.perf_counter() - t0
             while True:
                 generated.append(token)
@@ -269,8 +286,12 @@ class Generation(Iterator[GenerationChunk]):
                 # Timed around the model and sampler only: the consumer's time between chunks is not ours.
                 t0 = time.perf_counter()
                 pos = len(history) - 1
-                logits = model.forward(np.asarray([token], dtype=np.int64), pos, cache, last_only=True)[-1]
-                token = sampler(logits, history)
+                try:
+                    logits = model.forward(np.asarray([token], dtype=np.int64), pos, cache, last_only=True)[-1]
+                except ContextLengthError:
+                    break  # the cache or the context is full: an ordinary end, as llama.cpp's and OpenAI's "length"
+                self.cache_ids.append(token)
+                token = sampler(_finite(model, logits, history), history)
                 decode_s += time.perf_counter() - t0
 
         if finish != "stop":
@@ -291,7 +312,31 @@ class Generation(Iterator[GenerationChunk]):
             completion_tokens=len(generated),
             prefill_seconds=prefill_s,
             decode_seconds=decode_s,
+            cached_tokens=cached,
         )
+
+
+def _finite(model: LanguageModel, logits: np.ndarray, tokens: Sequence[int]) -> np.ndarray:
+    """``logits`` unless they hold NaN or +inf (or are all -inf: -inf alone is how a model rules a token out).
+
+    Sampling NaN would silently give token 0, often EOS. `ggufpy.diagnose.check_finite` reruns the tokens with
+    tracing and raises naming the first layer that went wrong; a model it cannot trace gets a plainer error.
+    """
+    if np.isfinite(logits).all() or not (
+        np.isnan(logits).any() or np.isposinf(logits).any() or np.isneginf(logits).all()
+    ):
+        return logits
+    try:
+        from ggufpy.diagnose import NonFiniteLogitsError, check_finite
+    except ImportError:  # an older tree without the diagnosis: still never sample from NaN
+        NonFiniteLogitsError, check_finite = ValueError, None
+    if check_finite is not None and hasattr(model, "layers"):
+        check_finite(model, logits, list(tokens))
+    bad = np.flatnonzero(~np.isfinite(logits))
+    raise NonFiniteLogitsError(
+        f"the model produced non-finite logits after {len(tokens)} tokens ({bad.size} of {logits.size} values, "
+        f"first at token id {int(bad[0])}: {logits[bad[0]]}): its weights or hyperparameters are broken"
+    )
 
 
 def _as_sampler(sampling: SamplingParams | Sampler) -> Sampler:
@@ -310,23 +355,50 @@ def generate(
     max_tokens: int = 256,
     sampling: SamplingParams | Sampler,
     stop: Sequence[str] = (),
+    cache: Any = None,
 ) -> Generation:
     """Stream a completion of ``prompt_ids``.
 
     Returns a `Generation`: iterate it for `GenerationChunk`s, then read ``.result``. Generation ends at an
     end-of-generation token (``finish_reason="eog"``, not emitted), when the text contains one of ``stop``
-    (``"stop"``, the text is cut before the first stop string to complete), or after ``max_tokens`` sampled
-    tokens (``"length"``).
+    (``"stop"``, the text is cut before the first stop string to complete), after ``max_tokens`` sampled
+    tokens or when the cache is full (``"length"``).
     Passing a `SamplingParams` creates a fresh `Sampler` (seeded by ``params.seed``); pass a `Sampler` to
     continue its random stream.
+
+    ``cache`` continues a sequence: its first ``cache.length`` positions must hold ``prompt_ids[:cache.length]``
+    (as ``Generation.cache_ids`` of an earlier call, cut with `reuse_cache`); only the rest is computed. Without
+    it a fresh ``model.new_cache()`` is used; pass ``model.new_cache(capacity=...)`` for a longer context.
     """
     if len(prompt_ids) == 0:
         raise ValueError("prompt_ids is empty: generation needs at least one prompt token (e.g. BOS)")
     if max_tokens < 0:
         raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+    if cache is not None and cache.length >= len(prompt_ids):
+        raise ValueError(
+            f"the cache holds {cache.length} positions and the prompt has {len(prompt_ids)} tokens: at least one "
+            "prompt token must be new (cut the cache with reuse_cache)"
+        )
     if isinstance(stop, str):
         stop = (stop,)
-    return Generation(model, tokenizer, prompt_ids, max_tokens, _as_sampler(sampling), stop)
+    return Generation(model, tokenizer, prompt_ids, max_tokens, _as_sampler(sampling), stop, cache)
+
+
+def reuse_cache(cache: Any, cache_ids: Sequence[int], prompt_ids: Sequence[int]) -> int:
+    """Cut ``cache`` (holding ``cache_ids``) to the longest prefix it shares with ``prompt_ids``; return its length.
+
+    At least the last prompt token is left to compute, since its logits start the reply. This is llama.cpp's
+    ``cache_prompt``: a chat template that renders earlier turns differently once a new one is added, or a
+    reply that tokenizes differently as text, costs only the tokens from the first difference on.
+    """
+    n = 0
+    for a, b in zip(cache_ids, prompt_ids, strict=False):
+        if a != b:
+            break
+        n += 1
+    n = min(n, len(prompt_ids) - 1, cache.length)
+    cache.truncate(n)
+    return n
 
 
 def generate_text(
@@ -337,9 +409,10 @@ def generate_text(
     max_tokens: int = 256,
     sampling: SamplingParams | Sampler,
     stop: Sequence[str] = (),
+    cache: Any = None,
 ) -> GenerationResult:
     """Run `generate` to the end and return its `GenerationResult`."""
-    gen = generate(model, tokenizer, prompt_ids, max_tokens=max_tokens, sampling=sampling, stop=stop)
+    gen = generate(model, tokenizer, prompt_ids, max_tokens=max_tokens, sampling=sampling, stop=stop, cache=cache)
     for _ in gen:
         pass
     return gen.result

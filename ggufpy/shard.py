@@ -15,7 +15,10 @@ Data contract at the boundaries (batch of one; T = new positions, D = dim, V = v
 
 Each request id has its own KV cache, kept in an LRU of `max_requests` entries. A request's position is
 implicit: it is the number of positions its cache holds, so a prompt (T tokens) and each decode step (T = 1)
-are the same call. Nothing here is specific to exo: `ggufpy.exo` and `ggufpy.hf` adapt this core.
+are the same call. A caller that knows where its input starts passes `position=`: a request this shard does
+not hold (evicted, released, or never started) is then refused when the position is not 0, however long ago
+it was evicted, and a held one when the position is not its length. Nothing here is specific to exo:
+`ggufpy.exo` and `ggufpy.hf` adapt this core.
 
     first = ShardEngine.load("model.gguf", 0, 14)
     last = ShardEngine.load("model.gguf", 15, 29)
@@ -31,10 +34,21 @@ from typing import Any
 
 import numpy as np
 
+from .checks import check_request_id, check_token_ids, is_int
+from .config import ModelConfig
 from .kvcache import ContextLengthError, KVCache
 from .transformer import Model
 
-__all__ = ["DEFAULT_MAX_REQUESTS", "EvictedRequestError", "RequestCaches", "Shard", "ShardEngine", "cache_with_room"]
+__all__ = [
+    "DEFAULT_MAX_REQUESTS",
+    "EvictedRequestError",
+    "RequestCaches",
+    "RequestPositionError",
+    "Shard",
+    "ShardEngine",
+    "cache_with_room",
+    "read_config",
+]
 
 DEFAULT_MAX_REQUESTS = 4  # concurrent sequences whose KV caches stay resident (exo's own engines keep 2)
 INITIAL_CACHE_POSITIONS = 256  # a request's cache starts this long and doubles when it fills up
@@ -71,8 +85,11 @@ class Shard:
             raise TypeError(
                 f"a shard needs model_id, start_layer, end_layer and n_layers; {type(shard).__name__} has no {e.name}"
             ) from None
-        model_id, start, end, n = fields
-        return cls(str(model_id), int(start), int(end), int(n))
+        model_id, *layers = fields
+        for name, value in zip(("start_layer", "end_layer", "n_layers"), layers, strict=True):
+            if not is_int(value):  # int() would truncate 1.7 or parse "3" silently
+                raise TypeError(f"shard {name} must be an integer, got {value!r} ({type(value).__name__})")
+        return cls(str(model_id), *(int(v) for v in layers))
 
     @property
     def layers(self) -> range:
@@ -96,16 +113,21 @@ class EvictedRequestError(KeyError):
         return str(self.args[0])
 
 
+class RequestPositionError(ValueError):
+    """The caller's position for a request is not the number of positions this shard holds for it."""
+
+
 class RequestCaches:
     """KV caches by request id, least recently used first; at most `max_requests` are kept.
 
     Evicted ids are remembered (the last 1024), so that a continuation of an evicted request raises
-    `EvictedRequestError` instead of silently restarting at position 0.
+    `EvictedRequestError` instead of silently restarting at position 0 even when the caller gives no
+    position; a caller that gives one is checked exactly, whenever the eviction happened (`ShardEngine.forward`).
     """
 
     def __init__(self, max_requests: int = DEFAULT_MAX_REQUESTS):
-        if max_requests < 1:
-            raise ValueError(f"max_requests must be at least 1, got {max_requests}")
+        if not is_int(max_requests) or max_requests < 1:
+            raise ValueError(f"max_requests must be an integer of at least 1, got {max_requests!r}")
         self.max_requests = max_requests
         self._caches: OrderedDict[str, KVCache] = OrderedDict()
         self._evicted: OrderedDict[str, None] = OrderedDict()
@@ -113,10 +135,7 @@ class RequestCaches:
     def get(self, request_id: str) -> KVCache | None:
         """The request's cache (now the most recently used), or None for a new request."""
         if request_id in self._evicted:
-            raise EvictedRequestError(
-                f"request {request_id!r} was evicted from the KV cache LRU (max_requests={self.max_requests}): "
-                "its earlier positions are gone; restart it with a new prompt, or raise max_requests"
-            )
+            raise self.evicted(request_id, "was evicted from this shard's KV caches")
         cache = self._caches.get(request_id)
         if cache is not None:
             self._caches.move_to_end(request_id)
@@ -129,9 +148,15 @@ class RequestCaches:
         self._caches.move_to_end(request_id)
         while len(self._caches) > self.max_requests:
             old, _ = self._caches.popitem(last=False)
-            self._evicted[old] = None
-            if len(self._evicted) > _EVICTED_MEMORY:
-                self._evicted.popitem(last=False)
+            self.forget(old)
+
+    def forget(self, request_id: str) -> None:
+        """Drop the request's cache but remember the id, so that its continuation is refused."""
+        self._caches.pop(request_id, None)
+        self._evicted[request_id] = None
+        self._evicted.move_to_end(request_id)
+        if len(self._evicted) > _EVICTED_MEMORY:
+            self._evicted.popitem(last=False)
 
     def release(self, request_id: str) -> None:
         """Forget a finished request (its id may then start a new sequence)."""
@@ -141,6 +166,12 @@ class RequestCaches:
     def clear(self) -> None:
         self._caches.clear()
         self._evicted.clear()
+
+    def evicted(self, request_id: str, what: str) -> EvictedRequestError:
+        return EvictedRequestError(
+            f"request {request_id!r} {what} (max_requests={self.max_requests}): its earlier positions are "
+            "gone; restart it with a new prompt, or raise max_requests"
+        )
 
     def length(self, request_id: str) -> int:
         """Positions held for `request_id` (0 when it has no cache), without touching the LRU order."""
@@ -189,15 +220,11 @@ class ShardEngine:
 
         `path` is anything `ggufpy.load` takes (a file, a packaged model name, None for the default model).
         """
-        from .loading import load, resolve_model_path
-        from .reader import open as open_gguf
+        from .loading import load
 
         if end_layer is None:
-            with open_gguf(resolve_model_path(path)) as f:
-                arch = f.metadata["general.architecture"]
-                end_layer = int(f.metadata[f"{arch}.block_count"]) - 1
-        if end_layer < start_layer:
-            raise ValueError(f"end_layer {end_layer} is before start_layer {start_layer} (the range is inclusive)")
+            end_layer = read_config(path).n_layers - 1
+        _check_layer_range(start_layer, end_layer)
         model = load(
             path,
             backend=backend,
@@ -214,6 +241,7 @@ class ShardEngine:
     ) -> ShardEngine:
         """Layers `start_layer..end_layer` (inclusive) of an already loaded model, sharing its weights and
         backend (and so the backend's dequantized-weight cache): several shards served by one process."""
+        _check_layer_range(start_layer, end_layer)
         layers = range(start_layer, end_layer + 1)
         if not (model.layers.start <= layers.start < layers.stop <= model.layers.stop):
             raise ValueError(f"layers {start_layer}..{end_layer} are not within the model's {model.layers}")
@@ -263,16 +291,29 @@ class ShardEngine:
         return self.layers.stop == self.config.n_layers
 
     # -- requests -----------------------------------------------------------------------------------------
-    def forward(self, request_id: str, x: np.ndarray, new_sequence: bool = False) -> np.ndarray:
+    def forward(
+        self, request_id: str, x: np.ndarray, new_sequence: bool = False, position: int | None = None
+    ) -> np.ndarray:
         """Run this shard's layers on the next T positions of `request_id` (see the module's data contract).
 
         The positions follow those already in the request's cache; `new_sequence` drops them first (a new
-        prompt under a reused id). A failed call leaves the request's cache as it was.
+        prompt under a reused id). `position`, when given, is where the caller expects x to start: 0 for a
+        new request; a request this shard does not hold with a position above 0 raises `EvictedRequestError`
+        (its cache was evicted or released, however long ago), a held one whose length differs raises
+        `RequestPositionError`. A failed call leaves the request's cache as it was.
         """
-        x = self._check_input(x)
+        check_request_id(request_id)
+        x = self.check_input(x)
         T = x.shape[0]
+        if position is not None:
+            if not is_int(position) or position < 0:
+                raise ValueError(f"position must be an integer >= 0, got {position!r}")
+            if new_sequence and position != 0:
+                raise ValueError(f"a new sequence starts at position 0, not {position}")
         if new_sequence:
             self.caches.release(request_id)
+        if position is not None:
+            self._check_position(request_id, position)
         cache = self._cache_with_room(request_id, T)
         pos = cache.length
         out = self.model.forward(x, pos, cache)  # (T, D) hidden or (T, V) logits
@@ -283,6 +324,25 @@ class ShardEngine:
         """How many positions of `request_id` this shard holds (0 for an unknown request)."""
         return self.caches.length(request_id)
 
+    def room(self, request_id: str) -> int:
+        """How many more positions `request_id` may take before the model's context length."""
+        return self.config.context_length - self.position(request_id)
+
+    def _check_position(self, request_id: str, position: int) -> None:
+        if request_id not in self.caches:
+            if position > 0:
+                raise self.caches.evicted(
+                    request_id, f"continues at position {position} but this shard holds no positions for it"
+                )
+            self.caches.release(request_id)  # position 0 says a new request: an old eviction does not matter
+            return
+        held = self.caches.length(request_id)
+        if position != held:
+            raise RequestPositionError(
+                f"request {request_id!r}: the input starts at position {position} but this shard holds {held} "
+                "positions for it (a lost or repeated step, or two callers sharing the id)"
+            )
+
     def release(self, request_id: str) -> None:
         """Drop a finished request's KV cache."""
         self.caches.release(request_id)
@@ -291,7 +351,7 @@ class ShardEngine:
         """Drop every request's KV cache."""
         self.caches.clear()
 
-    def _check_input(self, x: np.ndarray) -> np.ndarray:
+    def check_input(self, x: np.ndarray) -> np.ndarray:
         """x without its batch dimension: ids (T,) on the first shard, hidden states (T, D) float32 elsewhere."""
         x = np.asarray(x)
         where = f"shard layers {self.start_layer}..{self.end_layer} of {self.n_layers}"
@@ -301,17 +361,16 @@ class ShardEngine:
                     f"{where} starts at layer 0: it takes token ids of shape (1, T) with an integer dtype, "
                     f"got {x.dtype} {x.shape}"
                 )
+            check_token_ids(x, self.config.vocab_size)
             return x[0]  # (T,)
         D = self.config.dim
-        if (
-            x.ndim != 3
-            or x.shape[0] != 1
-            or x.shape[1] == 0
-            or x.shape[2] != D
-            or not np.issubdtype(x.dtype, np.floating)
-        ):
+        # exactly float32: a float16/bfloat16 sender has already lost what the whole model would keep
+        if x.ndim != 3 or x.shape[0] != 1 or x.shape[1] == 0 or x.shape[2] != D or x.dtype != np.float32:
             raise ValueError(f"{where} takes hidden states of shape (1, T, {D}) float32, got {x.dtype} {x.shape}")
-        return x[0].astype(np.float32, copy=False)  # (T, D)
+        if not np.isfinite(x).all():
+            bad = np.argwhere(~np.isfinite(x))[0].tolist()
+            raise ValueError(f"{where}: the hidden states are not finite (at index {bad}: {x[tuple(bad)]})")
+        return x[0]  # (T, D)
 
     def _cache_with_room(self, request_id: str, n_new: int) -> KVCache:
         """The request's cache (a new one for a new request), with room for `n_new` more positions."""
@@ -323,6 +382,24 @@ class ShardEngine:
             f"requests={len(self.caches)}/{self.caches.max_requests}, backend={self.model.backend.name}, "
             f"numerics={self.model.numerics.name})"
         )
+
+
+def _check_layer_range(start_layer: Any, end_layer: Any) -> None:
+    for name, value in (("start_layer", start_layer), ("end_layer", end_layer)):
+        if not is_int(value):
+            raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+    if end_layer < start_layer:
+        raise ValueError(f"end_layer {end_layer} is before start_layer {start_layer} (the range is inclusive)")
+
+
+def read_config(path: str | os.PathLike | None) -> ModelConfig:
+    """The `ModelConfig` of a GGUF file, checked as `ggufpy.load` checks it (the same errors), without
+    mapping any weights."""
+    from .loading import file_config, resolve_model_path
+    from .reader import open as open_gguf
+
+    with open_gguf(resolve_model_path(path)) as f:
+        return file_config(f)
 
 
 def cache_with_room(model: Model, cache: KVCache | None, n_new: int, what: str = "the sequence") -> KVCache:

@@ -13,8 +13,9 @@ import numpy as np
 
 from .config import ModelConfig
 from .constants import GGMLType
-from .errors import GGUFError
-from .quants import dequantize, quant_type
+from .errors import GGUFMetadataError, GGUFUnsupportedError
+from .quants import QUANT_TYPES, dequantize, quant_type
+from .quants.vecdot import VEC_DOT_TYPE
 from .reader import GGUFFile
 
 
@@ -80,13 +81,49 @@ class Weights:
 
 
 def tensor(f: GGUFFile, name: str, shape: tuple[int, ...]) -> QuantTensor:
-    """The tensor `name`, checked against the shape the config implies."""
+    """The tensor `name`, checked against the shape the config implies and against the types ggufpy decodes."""
     if name not in f.tensors:
-        raise GGUFError(f"{f.path}: tensor {name!r} is required but missing")
+        raise GGUFMetadataError(f"{f.path}: tensor {name!r} is required but missing")
     info = f.tensors[name]
     if info.shape != shape:
-        raise GGUFError(f"{f.path}: tensor {name!r} has shape {info.shape}, expected {shape} from the metadata")
+        raise GGUFMetadataError(f"{f.path}: tensor {name!r} has shape {info.shape}, expected {shape} from the metadata")
+    if info.type not in QUANT_TYPES:
+        raise _unsupported(f, name, info.type, "ggufpy cannot decode", QUANT_TYPES)
     return QuantTensor(name, info.type, info.shape, f.raw(name))
+
+
+def _unsupported(f: GGUFFile, name: str, t: GGMLType | int, why: str, types) -> GGUFUnsupportedError:
+    kind = t.name if isinstance(t, GGMLType) else f"type id {int(t)}"
+    supported = ", ".join(GGMLType(x).name for x in sorted(types))
+    return GGUFUnsupportedError(f"{f.path}: tensor {name!r} is {kind}, which {why}; supported types: {supported}")
+
+
+def _numpy_types(quantize_activations: bool) -> frozenset[GGMLType]:
+    # llama.cpp's integer path exists only for the types ggml gives a vec_dot (not the activation formats)
+    types = frozenset(QUANT_TYPES)
+    return types & VEC_DOT_TYPE.keys() if quantize_activations else types
+
+
+def _numba_types(quantize_activations: bool) -> frozenset[GGMLType]:
+    from .kernels.backend import linear_types  # imported only for the numba backend, which has imported it
+
+    return linear_types(quantize_activations) & QUANT_TYPES.keys()
+
+
+# backend name -> the weight types its `linear` multiplies by, derived from the registries it dispatches on
+LINEAR_TYPES = {"numpy": _numpy_types, "numba": _numba_types}
+
+
+def check_linear_types(f: GGUFFile, weights: Weights, backend: str, quantize_activations: bool) -> None:
+    """Refuse at load, with the same error class on every backend, a weight the backend cannot multiply by
+    (otherwise the first forward pass fails, differently per backend)."""
+    types = LINEAR_TYPES[backend](quantize_activations)
+    matrices = [w for layer in weights.layers.values() for w in vars(layer).values() if isinstance(w, QuantTensor)]
+    if weights.output is not None:
+        matrices.append(weights.output)
+    for w in matrices:
+        if w.type not in types:
+            raise _unsupported(f, w.name, w.type, f"the {backend} backend cannot multiply by", types)
 
 
 def vector(f: GGUFFile, name: str, size: int) -> np.ndarray:

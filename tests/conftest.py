@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
+# Before NumPy loads OpenBLAS (conformance.fixtures imports it through gguf): the llamacpp numerics' replay runs
+# many small matrix products, which cost 2-7x the CPU on two BLAS threads (measured on SmolLM2's layer 0).
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 import pytest
 
 from conformance.fixtures import TinyLlama, write_tiny_llama

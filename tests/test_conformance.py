@@ -4,7 +4,8 @@ needed), the fixtures and goldens themselves, and live checks when llama-cpp-pyt
 Every threshold of issue 4 (`conformance.compare.THRESHOLDS`) gates every golden. Beyond them, the llamacpp
 mode of the NumPy reference replays the f32 operations of the x86 kernels the goldens were recorded with
 (`ggufpy.quants.x86`), so it must reproduce llama.cpp bit for bit, on the fixtures and on the real models:
-logits, every layer's output and the greedy continuation.
+logits, every layer's output and the greedy continuation. The real models are checked at their first 8 positions
+in the default run and at every position under the `fullgolden` marker (docs/conformance.md, "In the test suite").
 """
 
 from __future__ import annotations
@@ -16,13 +17,14 @@ import numpy as np
 import pytest
 
 from conformance import fixtures as fx
-from conformance.compare import GOLDEN_DIR, MODES, Reference, failures, golden_names, nmse
+from conformance.compare import GOLDEN_DIR, Reference, bit_differences, failures, golden_names, nmse
 from conformance.record import FIXTURE_TOKENS, REAL_MODELS, fixture_tokens
-from conformance.report import evaluate, format_table, uncovered_types, write_docs
+from conformance.report import evaluate, format_table, model_path, uncovered_types, write_docs
 from ggufpy.arch import ARCHITECTURES
 from ggufpy.constants import GGMLType
 from ggufpy.quants import QUANT_TYPES
 from ggufpy.quants.vecdot import VEC_DOT_TYPE
+from tests.models import MODELS
 
 pytestmark = pytest.mark.conformance
 
@@ -67,8 +69,14 @@ def test_every_registered_quant_type_is_covered():
     """Each weight type has a fixture; the activation formats Q8_1/Q8_K cannot be weights in llama.cpp."""
     covered = {t for spec in fx.FIXTURES.values() for t in fx.weight_types(spec)}
     assert covered == {t.name for t in VEC_DOT_TYPE}
-    assert set(uncovered_types([{"types": sorted(covered)}])) == {"Q8_1", "Q8_K"}
-    assert {t.name for t in QUANT_TYPES} == covered | {"Q8_1", "Q8_K"}
+    storage = {"I8", "I16", "I32", "F64"}  # small tensors (ids, masks), never weights of a matmul
+    # issue 12: decoded and computed, but no llamacpp numerics (vec_dot replay) nor conformance fixture yet
+    pending = {"IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0", "MXFP4"}
+    pending |= {"NVFP4", "Q1_0"}
+    assert set(uncovered_types([{"types": sorted(covered)}])) == {"Q8_1", "Q8_K"} | (storage | pending) & {
+        t.name for t in QUANT_TYPES
+    }
+    assert {t.name for t in QUANT_TYPES} - storage - pending == covered | {"Q8_1", "Q8_K"}
 
 
 def test_every_registered_architecture_is_covered_and_its_features_exercised():
@@ -131,11 +139,48 @@ def test_llamacpp_numerics_reach_the_activation():
     assert transformer_reads_numerics_activations()
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("mode", MODES)
+# The NumPy replay of llama.cpp's kernels costs about a CPU second per position of a real model, so the default
+# run checks the fewest positions for which ggml runs the same kernels as for the whole golden (8: see
+# `Reference.prefix`), and the `fullgolden` tests (also `slow`) check all 100-101.
+PREFIX = 8
+
+
+def real_model(name: str):
+    """The golden of a packaged model and the model in llamacpp numerics (skips when it is not installed)."""
+    import ggufpy
+
+    MODELS[name]()
+    ref = Reference.load(name)
+    return ref, ggufpy.load(model_path(ref), backend="numpy", tokenizer=False, numerics="llamacpp")
+
+
 @pytest.mark.parametrize("name", REAL_GOLDENS)
-def test_real_model_against_golden(name, mode):
-    (row,) = evaluate(name, modes=(mode,), continuation=False)
+def test_real_model_prefix_is_bit_exact(name):
+    """The first 8 positions, free running: every layer's output, the final norm and the logits are llama.cpp's
+    to the last bit (so teacher forcing each layer would change nothing)."""
+    ref, model = real_model(name)
+    diffs = bit_differences(model, ref.prefix(PREFIX))
+    assert len(diffs) == model.config.n_layers + 2
+    assert not {k: n for k, n in diffs.items() if n}, "elements that differ from llama.cpp's, per tensor"
+
+
+@pytest.mark.slow
+@pytest.mark.fullgolden
+@pytest.mark.parametrize("name", REAL_GOLDENS)
+def test_real_model_is_bit_exact_at_every_position(name):
+    ref, model = real_model(name)
+    diffs = bit_differences(model, ref)
+    assert len(diffs) == model.config.n_layers + 2
+    assert not {k: n for k, n in diffs.items() if n}, "elements that differ from llama.cpp's, per tensor"
+
+
+@pytest.mark.slow
+@pytest.mark.fullgolden
+@pytest.mark.parametrize("name", REAL_GOLDENS)
+def test_real_model_exact_mode_meets_the_thresholds(name):
+    """The issue's thresholds are statistics over prompts of at least 100 tokens: every position."""
+    MODELS[name]()
+    (row,) = evaluate(name, modes=("exact",), continuation=False)
     assert not gated(row, name), failures(row)
 
 

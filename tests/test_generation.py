@@ -23,6 +23,7 @@ from ggufpy.generation import (
     TokenizerLike,
     generate,
     generate_text,
+    reuse_cache,
     split_at_stop,
 )
 from ggufpy.sampling import Sampler, SamplingParams
@@ -409,3 +410,72 @@ def test_decoder_loses_nothing_when_decoding_is_not_prefix_stable():
     dec = IncrementalDecoder(CleanSpacesTokenizer([b"Hello", b" ", b".", b" ok"]))
     out = [dec.push(i) for i in range(4)] + [dec.flush()]
     assert "".join(out) == "Hello . ok"  # what piece-by-piece rendering gives
+
+
+# --- continuing a sequence, the context limit, non-finite logits -------------------------------------------
+
+
+def test_generation_continues_from_a_cache_like_a_fresh_run(tiny_llama):
+    """A second turn fed only its new tokens gives the tokens a fresh run of the whole sequence gives."""
+    tok = tiny_llama.tokenizer
+    first = tok.encode("the cat sat on the mat")
+    gen = generate(tiny_llama, tok, first, max_tokens=6, sampling=GREEDY, cache=tiny_llama.new_cache(capacity=64))
+    for _ in gen:
+        pass
+    assert gen.cache.length == len(first) + gen.result.completion_tokens - 1 == len(gen.cache_ids)
+    assert gen.cache_ids == first + list(gen.result.token_ids[:-1])
+    second = [*gen.cache_ids, gen.result.token_ids[-1], *tok.encode(" and then")]
+    kept = reuse_cache(gen.cache, gen.cache_ids, second)
+    assert kept == len(gen.cache_ids)
+    continued = generate_text(tiny_llama, tok, second, max_tokens=6, sampling=GREEDY, cache=gen.cache)
+    fresh = generate_text(tiny_llama, tok, second, max_tokens=6, sampling=GREEDY)
+    assert continued.token_ids == fresh.token_ids
+    assert continued.cached_tokens == kept and fresh.cached_tokens == 0
+
+
+def test_reuse_cache_keeps_the_common_prefix_and_one_token_to_compute(tiny_llama):
+    cache = tiny_llama.new_cache(capacity=16)
+    tiny_llama.forward(np.arange(1, 9), 0, cache)
+    held = list(range(1, 9))
+    assert reuse_cache(cache, held, [1, 2, 3, 99, 5]) == 3 and cache.length == 3  # first difference at 3
+    tiny_llama.forward(np.arange(4, 9), 3, cache)
+    assert reuse_cache(cache, held, held) == 7  # all shared: the last token is computed again for its logits
+    with pytest.raises(ValueError, match="at least one prompt token must be new"):
+        generate(tiny_llama, tiny_llama.tokenizer, held[:7], sampling=GREEDY, cache=cache)
+
+
+def test_a_full_cache_ends_generation_with_length(tiny_llama):
+    """Before: ContextLengthError after text had been streamed. Now an ordinary end, like llama.cpp's."""
+    tok = tiny_llama.tokenizer
+    prompt = tok.encode("the cat sat")
+    cache = tiny_llama.new_cache(capacity=len(prompt) + 3)
+    gen = generate(tiny_llama, tok, prompt, max_tokens=50, sampling=GREEDY, cache=cache)
+    text = "".join(c.text for c in gen)
+    assert gen.result.finish_reason == "length"
+    assert gen.result.completion_tokens == 4  # 3 fed into the 3 free positions, the 4th sampled from the last
+    assert gen.result.text == text and cache.length == cache.capacity
+
+
+def test_nan_logits_raise_instead_of_emitting_token_zero():
+    """Before: greedy took argmax(NaN) = token 0, here EOS, and the generation ended silently with no text."""
+
+    class Broken(PreferenceModel):
+        def forward(self, x, pos, cache, layers=None, last_only=False):
+            return np.full((1 if last_only else len(x), self.vocab), np.nan, dtype=np.float32)
+
+    tok = ByteTokenizer()
+    tok.eog_ids = frozenset({0})
+    with pytest.raises(ValueError, match="non-finite logits"):
+        generate_text(Broken(tok.vocab_size, 0, 0), tok, [1], max_tokens=4, sampling=GREEDY)
+
+
+def test_nan_logits_of_a_real_model_are_diagnosed(tiny_llama_path):
+    import dataclasses
+
+    import ggufpy
+
+    model = ggufpy.load(tiny_llama_path, backend="numpy")
+    nan_norm = np.full_like(np.asarray(model.weights.output_norm), np.nan)
+    model.weights = dataclasses.replace(model.weights, output_norm=nan_norm)
+    with pytest.raises(ValueError, match=r"non-finite|NaN"):
+        generate_text(model, model.tokenizer, [1, 2, 3], max_tokens=2, sampling=GREEDY)

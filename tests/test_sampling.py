@@ -339,3 +339,56 @@ def test_min_p_kept_tokens_are_exactly_those_above_the_threshold(x, mp):
             assert i in keep
         elif ratio < mp * (1 - 1e-4):
             assert i not in keep
+
+
+# -- hostile settings and non-finite logits (issue 11) ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "rule"),
+    [
+        ("temperature", float("nan"), "a finite number >= 0"),
+        ("temperature", float("inf"), "a finite number >= 0"),
+        ("temperature", -0.5, "a finite number >= 0"),
+        ("top_k", 1.5, "an integer >= -1"),
+        ("top_k", True, "an integer >= -1"),
+        ("top_k", -2, "an integer >= -1"),
+        ("top_p", 1.5, "a number in [0, 1]"),
+        ("top_p", float("nan"), "a number in [0, 1]"),
+        ("min_p", -0.1, "a number in [0, 1]"),
+        ("repetition_penalty", 0.0, "a finite number > 0"),
+        ("presence_penalty", float("inf"), "a finite number"),
+        ("frequency_penalty", float("nan"), "a finite number"),
+        ("penalty_last_n", -2, "an integer >= -1"),
+        ("seed", -1, "None or an integer >= 0"),
+        ("seed", 1.0, "None or an integer >= 0"),
+    ],
+)
+def test_sampling_params_refuse_values_out_of_range(field, value, rule):
+    with pytest.raises(ValueError) as info:
+        SamplingParams(**{field: value})
+    assert str(info.value).startswith(f"SamplingParams.{field} = {value!r}: must be {rule}")
+
+
+@pytest.mark.parametrize("bias", [{0: float("nan")}, {0: float("inf")}, {-1: 1.0}, {"a": 1.0}, {0: "1"}])
+def test_sampling_params_refuse_bad_logit_bias(bias):
+    with pytest.raises(ValueError, match=r"SamplingParams\.logit_bias\[.*\] = .*: must map a token id"):
+        SamplingParams(logit_bias=bias)
+    assert SamplingParams(logit_bias={3: float("-inf"), 4: 2}).logit_bias == {3: float("-inf"), 4: 2}
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_non_finite_logits_are_reported_as_such_not_as_filtered_out(bad, temperature):
+    """All-NaN logits used to give token 0 (greedy) or "all logits are -inf" (sampling)."""
+    x = np.zeros(8, np.float32)
+    x[[0, 5]] = bad
+    sampler = Sampler(SamplingParams(temperature=temperature, top_k=0, top_p=1.0, min_p=0.0, seed=0))
+    with pytest.raises(ValueError, match=r"the logits are not finite: 2 of 8 are NaN or \+inf \(first: token 0") as e:
+        sampler(x)
+    assert "-inf" not in str(e.value)
+    with pytest.raises(ValueError, match="not finite"):
+        greedy(np.full(4, np.nan, np.float32))
+    with pytest.raises(ValueError, match="not finite"):
+        sample_categorical(np.full(4, np.nan), np.random.default_rng(0))
+    assert sample_categorical(np.array([-np.inf, 0.0, -np.inf]), np.random.default_rng(0)) == 1  # -inf is fine

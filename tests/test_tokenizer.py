@@ -448,3 +448,104 @@ def test_load_tokenizer_reads_only_metadata(tmp_path):
     tok = load_tokenizer(tmp_path / "t.gguf")
     assert [tok.piece(i) for i in tok.encode("hi", add_special=False)] == ["▁hi"]
     assert tok.chat_template == "{{ messages }}" and tok.vocab_size == len(md["tokenizer.ggml.tokens"])
+
+
+# -- hostile vocabularies (issue 11) -------------------------------------------------------------------------------
+
+
+class _CountingDict(dict):
+    """token_to_id that counts its membership tests: the merge derivation's unit of work."""
+
+    lookups = 0
+
+    def __contains__(self, key):
+        _CountingDict.lookups += 1
+        return super().__contains__(key)
+
+
+def test_spm_merges_skip_cuts_no_token_can_fill():
+    """One very long token among short ones gets no cut at all: it was one lookup (and one slice of the whole
+    token) per character, quadratic: a 1M-character token took 150 s."""
+    import dataclasses
+
+    from ggufpy.tokenizer.spm import spm_merges
+
+    tok = Tokenizer.from_metadata(spm_metadata({"▁": -1.0, "a": -2.0, "▁a": -1.5, "a" * 20_000: -3.0}))
+    counting = _CountingDict(tok.vocab.token_to_id)
+    _CountingDict.lookups = 0
+    merges = spm_merges(dataclasses.replace(tok.vocab, token_to_id=counting))
+    assert ("▁", "a") in merges and _CountingDict.lookups < 2000  # 256 byte tokens of 6 characters: 1291
+
+
+def test_spm_vocabulary_with_a_1m_character_token_loads():
+    long = "▁" + "a" * 1_000_000
+    tok = Tokenizer.from_metadata(spm_metadata({"▁": -1.0, "a": -2.0, "▁a": -1.5, long: -3.0}))
+    assert [tok.piece(i) for i in tok.encode("a a", add_special=False)] == ["▁a", "▁a"]
+    assert tok.vocab.token_to_id[long] == len(tok) - 1
+
+
+def test_spm_vocabulary_needing_too_much_merge_work_is_refused(monkeypatch):
+    from ggufpy.errors import GGUFMetadataError
+    from ggufpy.tokenizer import spm
+
+    many_long = {"a" * n: -float(n) for n in range(1, 301)}  # every split of each is a pair of tokens: 9M steps
+    monkeypatch.setattr(spm, "MAX_MERGE_WORK", 1_000_000)
+    with pytest.raises(
+        GGUFMetadataError, match=r"tokenizer\.ggml\.tokens = .*SPM merge derivation.*longest token: 300"
+    ):
+        Tokenizer.from_metadata(spm_metadata(many_long), source="crafted.gguf")
+
+
+def test_vocabulary_size_is_checked_against_the_embeddings_before_the_build(monkeypatch):
+    """2M empty tokens (a 16 MB file) took 918 MB to build; the model's embedding rows bound it first."""
+    from ggufpy.errors import GGUFMetadataError
+    from ggufpy.tokenizer import vocab
+
+    def expensive(*args):
+        raise AssertionError("the vocabulary was built before its size was checked")
+
+    monkeypatch.setattr(vocab, "_pieces", expensive)
+    md = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": [""] * 2_000_000}
+    with pytest.raises(GGUFMetadataError, match=r"m\.gguf: metadata tokenizer\.ggml\.tokens = .* token_embd \(269\)"):
+        build_vocab(md, n_vocab=269, source="m.gguf")
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "rule"),
+    [
+        ("tokenizer.ggml.tokens", [1, 2, 3], "must be a string array"),
+        ("tokenizer.ggml.tokens", [], "must be a non-empty array"),
+        ("tokenizer.ggml.scores", ["x"] * 261, "must be a number array"),
+        ("tokenizer.ggml.scores", [0.0], "must have an entry for each of the 261 tokens"),
+        ("tokenizer.ggml.token_type", np.full(261, 2**40, np.int64), "must be an array of int32 values"),
+        ("tokenizer.ggml.token_type", [1.5] * 261, "must be an integer array"),
+        ("tokenizer.ggml.add_bos_token", 1, "must be a bool"),
+        ("tokenizer.ggml.eos_token_id", float("nan"), "must be an integer"),
+        ("tokenizer.ggml.eos_token_id", -1, "must be an integer in [0, 2**32)"),
+        ("tokenizer.ggml.eos_token_id", 2**32, "must be an integer in [0, 2**32)"),
+        ("tokenizer.ggml.pre", ["default"], "must be a string"),
+        ("tokenizer.chat_template", 5, "must be a string"),
+        ("tokenizer.ggml.model", None, "must be a string"),
+    ],
+)
+def test_bad_tokenizer_metadata_names_key_value_and_rule(key, value, rule):
+    from ggufpy.errors import GGUFMetadataError
+
+    base = spm_metadata({"a": -1.0, "b": -2.0})
+    assert len(base["tokenizer.ggml.tokens"]) == 261
+    md = base | {key: value}
+    with pytest.raises(GGUFMetadataError) as info:
+        Tokenizer.from_metadata(md, source="x.gguf")
+    message = str(info.value)
+    assert message.startswith(f"x.gguf: metadata {key} = ") and rule in message
+
+
+def test_add_bos_without_a_bos_token_is_refused_when_built_not_at_first_encode():
+    from ggufpy.errors import GGUFMetadataError
+
+    md = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": ["a"]}  # SPM's default bos id 1 is not a token
+    with pytest.raises(
+        GGUFMetadataError, match=r"add_bos_token = True: needs a bos token, and this vocabulary has none"
+    ):
+        Tokenizer.from_metadata(md)
+    assert Tokenizer.from_metadata(md | {"tokenizer.ggml.add_bos_token": False}).encode("a") == [0]

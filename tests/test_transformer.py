@@ -207,3 +207,71 @@ def test_numpy_backend_tiles_in_plane_order_give_the_cached_logits(name):
         assert (model.backend._used > 0) == (cache_bytes > 0)
     want, got = logits[1 << 30], logits[0]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+# -- non-finite output is found and named (issue 11) ----------------------------------------------------------
+
+
+def _with_weight(path, name: str, edit) -> None:
+    """Rewrite the tiny model with `edit(values)` applied to the F32 tensor `name`."""
+    from tests.hostile.model_craft import base
+
+    m = base("llama").copy()
+    _, t, _, data = m.tensor(name)
+    values = np.frombuffer(data, np.float32).copy()
+    edit(values)
+    m.retype(name, t, values.tobytes())
+    m.write(path)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "numba"])
+def test_check_finite_names_the_first_non_finite_tensor_and_its_weight(tmp_path, backend):
+    """A NaN weight made every logit NaN and greedy decoding emit token 0 (EOS) in silence."""
+    from ggufpy.diagnose import NonFiniteLogitsError, check_finite
+
+    if backend == "numba":
+        pytest.importorskip("numba")
+    path = tmp_path / "nan.gguf"
+    _with_weight(path, "blk.1.ffn_up.weight", lambda v: v.__setitem__(17, np.nan))
+    model = ggufpy.load(path, backend=backend)
+    tokens = [5, 77, 200]
+    cache = model.new_cache()
+    model.forward(np.array(tokens[:2]), 0, cache)
+    row = model.forward(np.array(tokens[2:]), 2, cache)[-1]  # decode: the path generation takes
+    assert np.isnan(row).all()
+    with pytest.raises(NonFiniteLogitsError) as info:
+        check_finite(model, row, tokens)
+    e = info.value
+    assert (e.tensor, e.layer, e.weight) == ("ffn_out-1", 1, "blk.1.ffn_up.weight")
+    assert "the first non-finite tensor is 'ffn_out-1' (layer 1, position 0)" in str(e)
+    assert check_finite(model, np.zeros_like(row), tokens) is None  # a finite row: nothing is rerun
+
+
+def test_check_finite_blames_the_embedding_row_of_a_token(tmp_path):
+    from ggufpy.diagnose import NonFiniteLogitsError, check_finite
+
+    path = tmp_path / "embd.gguf"
+    dim = 32
+    _with_weight(path, "token_embd.weight", lambda v: v.__setitem__(200 * dim + 3, np.inf))
+    model = ggufpy.load(path, backend="numpy")
+    head_only = model.logits([5, 6])[-1]  # the head is tied: token 200's logit is the only non-finite one
+    assert np.flatnonzero(~np.isfinite(head_only)).tolist() == [200]
+    with pytest.raises(NonFiniteLogitsError, match=r"'result_output' \(the output head.*'token_embd\.weight'"):
+        check_finite(model, head_only, [5, 6])
+    logits = model.logits([5, 200])
+    with pytest.raises(NonFiniteLogitsError, match=r"position 1.*'token_embd\.weight' holds NaN/inf") as info:
+        check_finite(model, logits[-1], [5, 200])
+    assert (info.value.tensor, info.value.layer) == ("attn_norm-0", 0)
+
+
+def test_check_finite_without_a_bad_weight_says_so(tmp_path):
+    from ggufpy.diagnose import NonFiniteLogitsError, check_finite
+
+    path = tmp_path / "overflow.gguf"
+    _with_weight(path, "blk.0.ffn_down.weight", lambda v: v.fill(3e38))  # finite, but sums overflow
+    model = ggufpy.load(path, backend="numpy")
+    logits = model.logits([5, 77])
+    assert not np.isfinite(logits[-1]).all()
+    with pytest.raises(NonFiniteLogitsError, match="no weight of that step holds NaN/inf") as info:
+        check_finite(model, logits[-1], [5, 77])
+    assert info.value.weight is None and info.value.layer is not None

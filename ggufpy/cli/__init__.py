@@ -15,9 +15,13 @@ import sys
 from .. import __version__
 from ..errors import GGUFError
 
-COMMANDS = ["inspect", "run", "chat", "trace", "bench"]
+COMMANDS = ["inspect", "run", "chat", "trace", "bench", "perplexity", "serve"]
 
 EXIT_ERROR = 2  # the same code argparse uses for a bad command line
+
+
+class UsageError(Exception):
+    """A mistake in what the user asked for (a value out of range, a template that fails): one line, exit 2."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else EXIT_ERROR)
     try:
         return args.func(args)
-    except GGUFError as e:
+    except (GGUFError, UsageError) as e:
         return error(e)
     except BrokenPipeError:
         # The reader of our stdout went away (`ggufpy inspect --tensors m.gguf | head`): silence the

@@ -1,27 +1,96 @@
 """`ggufpy run -p PROMPT`: stream a completion (or, with --chat, a chat reply) to stdout.
 
-Load time and speeds go to stderr at the end, so stdout holds only the generated text.
+Load time, first-use kernel setup and speeds go to stderr at the end, so stdout holds only the generated text.
+With --chat the reply is greedy unless --temp is given (docs/chat.md says why).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+import threading
 import time
+
+from . import UsageError
+
+DEFAULT_MAX_TOKENS = 256
+COMPLETION_TEMP = 0.8  # llama.cpp's default for plain completion
+# Chat is greedy by default: a small model's first reply token is often a near tie (SmolLM2 on the README
+# question: "The" 54%, "L" 36%), and sampling it makes the headline answer a coin flip (docs/chat.md).
+CHAT_TEMP = 0.0
+NOTICE_AFTER_S = 1.0  # say what the kernel setup is doing only when it takes this long (a cold numba cache)
+
+
+def _number(kind, low: float | None = None, high: float | None = None, low_open: bool = False):
+    """An argparse type: a finite number of `kind` in [low, high] (low excluded when `low_open`)."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a{'n integer' if kind is int else ' number'}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+        if low is not None and (value <= low if low_open else value < low):
+            raise argparse.ArgumentTypeError(f"{text} must be {'>' if low_open else '>='} {low}")
+        if high is not None and value > high:
+            raise argparse.ArgumentTypeError(f"{text} must be <= {high}")
+        return value
+
+    return parse
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    """Options shared by `run` and `chat`: which model, which engine, how to sample."""
-    p.add_argument("-m", "--model", default=None, help="GGUF file or packaged model name (default: SmolLM2-135M)")
+    """Options shared by `run` and `chat`: which model, which engine, how long, how to sample."""
+    from ..packaged import describe_packaged
+
+    p.add_argument(
+        "-m",
+        "--model",
+        default=None,
+        help=f"GGUF file or packaged model: {describe_packaged()} (default: smollm2, SmolLM2-135M-Instruct)",
+    )
     p.add_argument("--backend", default=None, help="numpy or numba (default: numba when installed)")
-    p.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate (default 256)")
-    p.add_argument("--temp", type=float, default=None, help="temperature; 0 = greedy (default 0.8, chat 0.2)")
-    p.add_argument("--top-k", type=int, default=40)
-    p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--min-p", type=float, default=0.05)
-    p.add_argument("--repeat-penalty", type=float, default=1.0)
+    p.add_argument(
+        "-c",
+        "--ctx-size",
+        type=_number(int, 1),
+        default=None,
+        help="positions the KV cache holds, prompt and reply (default: the model's context length)",
+    )
+    p.add_argument(
+        "-n",
+        "--max-tokens",
+        type=_number(int, 0),
+        default=DEFAULT_MAX_TOKENS,
+        help=f"most tokens to generate (default {DEFAULT_MAX_TOKENS})",
+    )
+    p.add_argument(
+        "--temp",
+        type=_number(float, 0),
+        default=None,
+        help=f"temperature; 0 = greedy (default {COMPLETION_TEMP}; chat: greedy, see docs/chat.md)",
+    )
+    p.add_argument("--top-k", type=_number(int, 0), default=40, help="0 disables it (default 40)")
+    p.add_argument("--top-p", type=_number(float, 0, 1), default=0.95, help="1 disables it (default 0.95)")
+    p.add_argument("--min-p", type=_number(float, 0, 1), default=0.05, help="0 disables it (default 0.05)")
+    p.add_argument(
+        "--repeat-penalty", type=_number(float, 0, low_open=True), default=1.0, help="1 disables it (default 1)"
+    )
     p.add_argument("--seed", type=int, default=None, help="random seed, for a reproducible run")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="NAME",
+        help="use a built-in chat template instead of the file's: plain, chatml, gemma, llama3, ... (docs/chat.md)",
+    )
+    p.add_argument(
+        "--special-in-content",
+        action="store_true",
+        help="parse special-token text typed in messages as control tokens (off: see docs/chat.md, prompt injection)",
+    )
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -33,12 +102,74 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def clean_text(text: str, what: str) -> str:
+    """Command-line or stdin text as valid Unicode: bytes that are not UTF-8 become U+FFFD, with a note.
+
+    Python hands undecodable argv bytes over as lone surrogates (PEP 383), which no tokenizer accepts.
+    """
+    fixed = text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    if fixed != text:
+        print(f"ggufpy: {what} is not valid UTF-8; the invalid bytes were replaced with U+FFFD", file=sys.stderr)
+    return fixed
+
+
 def load_model(args: argparse.Namespace):
+    """The model and its load time."""
     from ..loading import load
 
     t0 = time.perf_counter()
     model = load(args.model, backend=args.backend)  # None: numba when it imports, else numpy
     return model, time.perf_counter() - t0
+
+
+def prepare_kernels(model, prompt_tokens: int | None = None, out=None) -> float:
+    """Run the kernels a prefill of ``prompt_tokens`` (None: any length) and decode use once, on a scratch
+    cache; return the seconds.
+
+    numba compiles a kernel on its first call (30-60 s for a model's set, cached on disk afterwards): done
+    here, that wait is neither silent (a line appears once it lasts) nor counted in the reported speeds.
+    """
+    if getattr(model.backend, "name", "") != "numba":
+        return 0.0
+    import numpy as np
+
+    out = out or sys.stderr
+    notice = threading.Timer(
+        NOTICE_AFTER_S,
+        lambda: print(
+            "ggufpy: preparing the numba kernels (compiled on first use, ~30-60 s; cached on disk for later runs)",
+            file=out,
+            flush=True,
+        ),
+    )
+    notice.daemon = True
+    t0 = time.perf_counter()
+    notice.start()
+    try:
+        blas_rows = getattr(model.backend, "blas_rows", None) or 16
+        # a long prefill (BLAS tiles: a fixed cost, so only when the prompt takes that path), a short one (the
+        # fused kernels on a few rows), then one decode step
+        long = [blas_rows] if prompt_tokens is None or prompt_tokens >= blas_rows else []
+        cache = model.new_cache(capacity=blas_rows + 3)
+        token = model.tokenizer.bos_id if model.tokenizer is not None and model.tokenizer.bos_id is not None else 0
+        for n in (*long, 2, 1):
+            model.forward(np.full(n, token, dtype=np.int64), cache.length, cache, last_only=True)
+    finally:
+        notice.cancel()
+    seconds = time.perf_counter() - t0
+    if seconds >= NOTICE_AFTER_S:
+        print(f"ggufpy: kernels ready in {seconds:.1f} s", file=out, flush=True)
+    return seconds
+
+
+def context_size(model, args: argparse.Namespace) -> int:
+    """--ctx-size, checked against the model's context length (the default)."""
+    context = model.config.context_length
+    if args.ctx_size is None:
+        return context
+    if args.ctx_size > context:
+        raise UsageError(f"--ctx-size {args.ctx_size} exceeds the model's context length {context}")
+    return args.ctx_size
 
 
 def sampling_params(args: argparse.Namespace, default_temp: float):
@@ -54,31 +185,58 @@ def sampling_params(args: argparse.Namespace, default_temp: float):
     )
 
 
-def stream(model, prompt_ids, args, sampling, out=None):
-    """Generate, writing text as it comes; returns the `GenerationResult`."""
+def stream(model, prompt_ids, args, sampling, cache, out=None):
+    """Generate into `cache`, writing text as it comes; returns the finished `Generation`."""
     from ..generation import generate
 
+    if len(prompt_ids) > cache.capacity:
+        raise UsageError(f"the prompt has {len(prompt_ids)} tokens and the context holds {cache.capacity} (--ctx-size)")
     out = out or sys.stdout
-    gen = generate(model, model.tokenizer, prompt_ids, max_tokens=args.max_tokens, sampling=sampling, stop=args.stop)
+    gen = generate(
+        model, model.tokenizer, prompt_ids, max_tokens=args.max_tokens, sampling=sampling, stop=args.stop, cache=cache
+    )
     for chunk in gen:
         out.write(chunk.text)
         out.flush()
-    return gen.result
+    return gen
 
 
-def chat_prompt_ids(tok, messages) -> list[int]:
-    """Render the conversation with the model's chat template and tokenize it, special tokens parsed."""
+def chat_template(model, args: argparse.Namespace):
+    """The chat template (--chat-template, else the file's, else the one chosen for it; its note printed as one
+    line on stderr); its stop strings join --stop."""
     from ..chat import ChatTemplate
 
-    text = ChatTemplate.from_tokenizer(tok).render(messages, add_generation_prompt=True)
-    # The template writes BOS itself when the model wants one (llama.cpp's chat path does the same check).
-    add_bos = not (tok.bos_id is not None and text.startswith(tok.piece(tok.bos_id)))
-    return tok.encode(text, add_special=add_bos, parse_special=True)
+    if args.chat_template:
+        try:
+            template = ChatTemplate.by_name(args.chat_template, model.tokenizer)
+        except (ImportError, ValueError) as e:
+            raise UsageError(f"--chat-template: {e}") from None
+    else:
+        template = ChatTemplate.from_tokenizer(model.tokenizer, getattr(model.file, "metadata", None), warn=False)
+    if template.note:
+        print(f"ggufpy: {template.note}", file=sys.stderr)
+    args.stop = [*args.stop, *template.stop]
+    return template
 
 
-def report(result, load_seconds: float, backend: str) -> None:
+def chat_prompt_ids(tok, messages, template=None, special_in_content: bool = False) -> list[int]:
+    """The conversation rendered and tokenized, control tokens only where the template writes them."""
+    from jinja2.exceptions import TemplateError
+
+    from ..chat import encode_chat
+
+    try:
+        return encode_chat(tok, messages, template, special_in_content=special_in_content)
+    except TemplateError as e:  # the template's raise_exception, a syntax error, a resource bound
+        raise UsageError(f"chat template: {e}") from None
+
+
+def report(result, load_seconds: float, setup_seconds: float, backend: str) -> None:
+    """Load, kernel setup, prompt and generation speeds as one line on stderr (setup out of the speeds)."""
+    setup = f", kernels {setup_seconds:.2f} s" if setup_seconds else ""
+    cached = f" ({result.cached_tokens} cached)" if result.cached_tokens else ""
     print(
-        f"\n[{backend}] load {load_seconds:.2f} s | prompt {result.prompt_tokens} tokens, "
+        f"\n[{backend}] load {load_seconds:.2f} s{setup} | prompt {result.prompt_tokens} tokens{cached}, "
         f"{result.prefill_tokens_per_second:.1f} tok/s | generated {result.completion_tokens} tokens, "
         f"{result.decode_tokens_per_second:.1f} tok/s | finish: {result.finish_reason}",
         file=sys.stderr,
@@ -86,16 +244,23 @@ def report(result, load_seconds: float, backend: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    prompt = clean_text(args.prompt, "the prompt")
+    system = clean_text(args.system, "--system") if args.system else None
+    args.stop = [clean_text(s, "--stop") for s in args.stop]
     model, load_s = load_model(args)
     tok = model.tokenizer
     if args.chat:
-        messages = [{"role": "system", "content": args.system}] if args.system else []
-        messages.append({"role": "user", "content": args.prompt})
-        ids = chat_prompt_ids(tok, messages)
+        messages = [{"role": "system", "content": system}] if system else []
+        messages.append({"role": "user", "content": prompt})
+        ids = chat_prompt_ids(tok, messages, chat_template(model, args), args.special_in_content)
     else:
-        ids = tok.encode(args.prompt, add_special=True)
-    result = stream(model, ids, args, sampling_params(args, 0.2 if args.chat else 0.8))
+        ids = tok.encode(prompt, add_special=True, parse_special=args.special_in_content)
+    if not ids:
+        raise UsageError("the prompt is empty and this model adds no BOS token to start from: give some text")
+    cache = model.new_cache(capacity=context_size(model, args))
+    setup_s = prepare_kernels(model, len(ids))
+    result = stream(model, ids, args, sampling_params(args, CHAT_TEMP if args.chat else COMPLETION_TEMP), cache).result
     if not result.text.endswith("\n"):
         print()
-    report(result, load_s, model.backend.name)
+    report(result, load_s, setup_s, model.backend.name)
     return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -12,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from .. import sampling
+from ..checks import check_token_ids, is_int, is_real
 from ..kvcache import KVCache
 from ..shard import cache_with_room
 from ..transformer import Model
@@ -82,6 +84,7 @@ class GGUFCache:
     def __init__(self, batch_size: int):
         self.rows: list[KVCache | None] = [None] * batch_size
         self.seen_tokens = 0
+        self.model: Model | None = None  # the model that filled it: another one's keys have other shapes
 
     @property
     def batch_size(self) -> int:
@@ -204,17 +207,16 @@ class GGUFModelForCausalLM:
         if unknown:
             raise TypeError(f"forward got unsupported arguments {unknown}")
         as_torch = _is_torch(input_ids)
-        ids = _numpy(input_ids)
-        if ids.ndim == 1:
-            ids = ids[None]
-        if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
-            raise ValueError(f"input_ids must be integer ids of shape (batch, T), got {ids.dtype} {ids.shape}")
+        ids = self._token_ids(input_ids)
         B, T = ids.shape
         cache = past_key_values if past_key_values is not None else GGUFCache(B)
         if not isinstance(cache, GGUFCache):
             raise TypeError(f"past_key_values must be the GGUFCache this model returned, got {type(cache).__name__}")
         if cache.batch_size != B:
             raise ValueError(f"past_key_values holds {cache.batch_size} rows, input_ids has {B}")
+        if cache.model is not None and cache.model is not self.model:
+            raise ValueError(f"past_key_values was filled by another model ({cache.model!r}), not {self.model!r}")
+        cache.model = self.model
         mask = self._new_columns(attention_mask, B, T, cache.seen_tokens)
 
         V = self.config.vocab_size
@@ -234,9 +236,27 @@ class GGUFModelForCausalLM:
         keep = use_cache or past_key_values is not None
         return CausalLMOutput(logits=_like(logits, as_torch), past_key_values=cache if keep else None)
 
+    def _token_ids(self, input_ids: Any) -> np.ndarray:
+        """input_ids as int64 (B, T), refused unless integer ids inside the vocabulary (no float truncation)."""
+        try:
+            ids = _numpy(input_ids)
+        except ValueError:  # NumPy's "inhomogeneous shape"
+            raise ValueError("input_ids rows have different lengths: pad them (tok(texts, padding=True))") from None
+        if ids.ndim == 1:
+            ids = ids[None]
+        if ids.ndim != 2 or ids.shape[0] == 0 or not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(
+                f"input_ids must be integer ids of shape (batch, T) with batch >= 1, got {ids.dtype} {ids.shape}"
+            )
+        check_token_ids(ids, self.config.vocab_size, "input_ids: token id")
+        return ids.astype(np.int64)
+
     @staticmethod
     def _new_columns(attention_mask: Any, B: int, T: int, seen: int) -> np.ndarray:
-        """The mask (B, T) of the new columns: all ones by default; HF passes past + new columns."""
+        """The mask (B, T) of the new columns: all ones by default; HF passes past + new columns.
+
+        Only 0/1 integers or bools: 2, 0.5 or NaN have no meaning as a mask, and `astype(bool)` would read
+        them as 1."""
         if attention_mask is None:
             return np.ones((B, T), bool)
         mask = _numpy(attention_mask)
@@ -249,6 +269,12 @@ class GGUFModelForCausalLM:
                 f"attention_mask has shape {mask.shape}: expected ({B}, {T}) or ({B}, {seen + T}) with {seen} "
                 "cached columns"
             )
+        if mask.dtype != np.bool_:
+            if not np.issubdtype(mask.dtype, np.integer):
+                raise ValueError(f"attention_mask must hold 0/1 integers or bools, got dtype {mask.dtype}")
+            bad = mask[(mask != 0) & (mask != 1)]
+            if bad.size:
+                raise ValueError(f"attention_mask must hold only 0 and 1, got {bad.flat[0]}")
         return mask.astype(bool)
 
     # -- generation ---------------------------------------------------------------------------------------
@@ -282,28 +308,35 @@ class GGUFModelForCausalLM:
         unknown = sorted(k for k, v in kwargs.items() if k not in ignored and v not in (None, False, True))
         if unknown:
             raise TypeError(f"generate got unsupported arguments {unknown}")
+        _check_generation_options(max_new_tokens, temperature, top_k, top_p, repetition_penalty)
         as_torch = _is_torch(input_ids)
-        ids = _numpy(input_ids).astype(np.int64)
-        if ids.ndim == 1:
-            ids = ids[None]
+        ids = self._token_ids(input_ids)
         B, T = ids.shape
         if eos_token_id is None:
             eos = sorted(self.tokenizer.eog_ids) if self.tokenizer else [self.config.eos_token_id]
         else:
-            eos = [eos_token_id] if isinstance(eos_token_id, (int, np.integer)) else list(eos_token_id)
+            eos = [eos_token_id] if is_int(eos_token_id) else list(eos_token_id)
+            if not all(is_int(e) for e in eos):
+                raise ValueError(f"eos_token_id must be an integer or a list of integers, got {eos_token_id!r}")
         eos_set = {int(e) for e in eos if e is not None}
         pad = pad_token_id if pad_token_id is not None else self.config.pad_token_id
         if pad is None:
             pad = min(eos_set) if eos_set else 0
+        if not is_int(pad):
+            raise ValueError(f"pad_token_id must be an integer, got {pad!r}")
         rng = np.random.default_rng(seed)
 
         mask = self._new_columns(attention_mask, B, T, 0)
+        empty = np.flatnonzero(~mask.any(axis=1))
+        if empty.size:  # its next token would be drawn from the zero logits of a masked row
+            raise ValueError(f"attention_mask row {int(empty[0])} has no real token: there is nothing to continue")
         history = [list(ids[b, mask[b]]) for b in range(B)]
         cache = GGUFCache(B)
         logits = _numpy(self.forward(ids, attention_mask=mask, past_key_values=cache).logits)
-        last = np.array([np.flatnonzero(mask[b])[-1] if mask[b].any() else T - 1 for b in range(B)])
+        last = np.array([np.flatnonzero(mask[b])[-1] for b in range(B)])
         step_logits = logits[np.arange(B), last]  # (B, V)
         done = np.zeros(B, bool)
+        context = self.config.max_position_embeddings
         new_columns = []
         for _ in range(max_new_tokens):
             token = np.full(B, pad, np.int64)
@@ -320,6 +353,9 @@ class GGUFModelForCausalLM:
                 history[b].append(int(token[b]))
             new_columns.append(token)
             done |= np.isin(token, list(eos_set))
+            # a row whose cache holds the whole context ends with the token just drawn, as llama.cpp and
+            # OpenAI end at the length limit (finish_reason "length"): its tokens so far are the result
+            done |= np.array(cache.lengths) >= context
             if done.all():
                 break
             step_mask = ~done
@@ -331,3 +367,18 @@ class GGUFModelForCausalLM:
 
     def __repr__(self) -> str:
         return f"GGUFModelForCausalLM({self.model!r})"
+
+
+def _check_generation_options(max_new_tokens, temperature, top_k, top_p, repetition_penalty) -> None:
+    """Refuse values HF refuses (or that would silently mean something else here, such as a NaN temperature
+    turning sampling into greedy decoding)."""
+    if not is_int(max_new_tokens) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+    if not is_real(temperature) or not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    if not is_int(top_k) or top_k < 0:
+        raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {top_k!r}")
+    if not is_real(top_p) or not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+    if not is_real(repetition_penalty) or not math.isfinite(repetition_penalty) or repetition_penalty <= 0:
+        raise ValueError(f"repetition_penalty must be a finite number > 0, got {repetition_penalty!r}")

@@ -9,9 +9,10 @@ from typing import Any
 
 import numpy as np
 
+from ..checks import check_token_ids
 from ..tokenizer import Tokenizer
 from ..tokenizer.vocab import TokenAttr
-from ._torch import _is_torch, _numpy
+from ._torch import _is_torch, _like, _numpy
 
 _NOT_PARSED = TokenAttr.CONTROL | TokenAttr.UNKNOWN  # llama.cpp's "special" tokens, HF's special=True
 
@@ -20,10 +21,14 @@ def _token_text(tok: Tokenizer, token_id: int | None) -> str | None:
     return None if token_id is None else tok.piece(token_id)
 
 
-def _model_max_length(metadata: Mapping[str, Any]) -> int | None:
+def _model_max_length(metadata: Mapping[str, Any], source: str | None = None) -> int | None:
+    """The context length, checked like the model loader checks it (None for a vocabulary-only file)."""
+    from ..schema import MODEL_KEYS, read
+
     arch = metadata.get("general.architecture")
-    value = metadata.get(f"{arch}.context_length")
-    return int(value) if value is not None else None
+    if not isinstance(arch, str) or f"{arch}.context_length" not in metadata:
+        return None
+    return read(metadata, MODEL_KEYS["context_length"], arch, source)
 
 
 class HFStyleTokenizer:
@@ -89,8 +94,58 @@ class HFStyleTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special=add_special_tokens, parse_special=True)
 
+    def __call__(
+        self,
+        text: str | Sequence[str],
+        add_special_tokens: bool = True,
+        padding: bool | str = False,
+        return_tensors: str | None = None,
+        return_attention_mask: bool = True,
+        **unsupported: Any,
+    ) -> dict[str, Any]:
+        """HF's ``tok(texts, padding=True, return_tensors="np")``: ``input_ids`` and ``attention_mask``.
+
+        Rows are padded on the left (``padding=True`` or ``"longest"``) with the pad token, else EOS. Options
+        beyond these (truncation, text pairs, ``max_length`` padding) need transformers' own tokenizer.
+        """
+        if unsupported:
+            raise TypeError(
+                f"HFStyleTokenizer does not support {', '.join(sorted(unsupported))}: "
+                'install transformers (pip install "ggufpy[hf]") for the full tokenizer interface'
+            )
+        if padding not in (False, True, "longest", "do_not_pad"):
+            raise ValueError(f'padding={padding!r}: HFStyleTokenizer pads to the longest row only (True or "longest")')
+        if return_tensors not in (None, "np", "pt"):
+            raise ValueError(f"return_tensors={return_tensors!r}: HFStyleTokenizer returns lists, 'np' or 'pt'")
+        single = isinstance(text, str)
+        rows = [self.encode(t, add_special_tokens) for t in ([text] if single else text)]
+        masks = [[1] * len(r) for r in rows]
+        if padding in (True, "longest") and rows:
+            width = max(len(r) for r in rows)
+            pad = self.pad_token_id if self.pad_token_id is not None else self.eos_token_id
+            if pad is None and any(len(r) < width for r in rows):
+                raise ValueError("padding needs a pad or EOS token, and this vocabulary has neither")
+            masks = [[0] * (width - len(r)) + m for r, m in zip(rows, masks, strict=True)]
+            rows = [[pad] * (width - len(r)) + r for r in rows]
+        if return_tensors is not None:
+            if len({len(r) for r in rows}) > 1:
+                raise ValueError(
+                    f"rows of different lengths cannot become tensors: pass padding=True ({return_tensors=})"
+                )
+            rows, masks = (np.asarray(a, dtype=np.int64).reshape(len(rows), -1) for a in (rows, masks))
+            rows, masks = (_like(a, return_tensors == "pt") for a in (rows, masks))
+        elif single:
+            rows, masks = rows[0], masks[0]
+        out = {"input_ids": rows}
+        if return_attention_mask:
+            out["attention_mask"] = masks
+        return out
+
     def decode(self, token_ids: Any, skip_special_tokens: bool = False) -> str:
         ids = np.asarray(_numpy(token_ids)).reshape(-1)
+        if ids.size and not np.issubdtype(ids.dtype, np.integer):  # 1.7 must not silently become token 1
+            raise ValueError(f"token ids must be integers, got dtype {ids.dtype}")
+        check_token_ids(ids, self.tokenizer.vocab_size)
         return self.tokenizer.decode([int(i) for i in ids], skip_special=skip_special_tokens)
 
     def batch_decode(self, sequences: Iterable[Any], skip_special_tokens: bool = False) -> list[str]:
@@ -209,8 +264,11 @@ def load_tokenizer(path: str | os.PathLike | None = None):
     from ..reader import open as open_gguf
 
     with open_gguf(resolve_model_path(path)) as f:
-        tok = Tokenizer.from_metadata(f.metadata)
-        max_length = _model_max_length(f.metadata)
+        embd = f.tensors.get("token_embd.weight")
+        tok = Tokenizer.from_metadata(
+            f.metadata, n_vocab=embd.shape[0] if embd is not None else None, source=str(f.path)
+        )
+        max_length = _model_max_length(f.metadata, str(f.path))
     try:
         import transformers  # noqa: F401
     except ImportError:

@@ -27,9 +27,12 @@ __all__ = [
 ]
 
 
-def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
-    """The tokenizer of the GGUF file at `path`, read from its metadata only (no tensor is touched)."""
-    from .. import open as open_gguf  # ggufpy.open; imported here so ggufpy can import this package
+def load_tokenizer(path: str | os.PathLike | None = None) -> Tokenizer:
+    """The tokenizer of a GGUF file or packaged model (`ggufpy.packaged.resolve`), from its metadata only."""
+    from ..packaged import resolve
+    from ..reader import open as open_gguf  # imported here so ggufpy can import this package
 
-    with open_gguf(path) as f:
-        return Tokenizer.from_metadata(f.metadata)
+    with open_gguf(resolve(path)) as f:
+        embd = f.tensors.get("token_embd.weight")  # a vocabulary-only file has none
+        n_vocab = embd.shape[0] if embd is not None else None
+        return Tokenizer.from_metadata(f.metadata, n_vocab=n_vocab, source=str(f.path))

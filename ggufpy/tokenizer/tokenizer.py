@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 
+from ..schema import TOKENIZER_KEYS, read
 from .bpe import build_bpe
 from .spm import build_spm
 from .vocab import TokenAttr, Vocab, build_vocab
@@ -47,12 +48,18 @@ class Tokenizer:
         self._special_always = [s[:4] for s in special if s[4]]
 
     @classmethod
-    def from_metadata(cls, metadata: Mapping[str, Any]) -> Tokenizer:
-        """Build from GGUF metadata alone (`tokenizer.ggml.*` and `tokenizer.chat_template`)."""
-        vocab = build_vocab(metadata)
-        engine = build_spm(vocab) if vocab.is_spm else build_bpe(vocab)
-        template = metadata.get("tokenizer.chat_template")
-        return cls(vocab, engine, str(template) if template is not None else None)
+    def from_metadata(
+        cls, metadata: Mapping[str, Any], n_vocab: int | None = None, source: str | None = None
+    ) -> Tokenizer:
+        """Build from GGUF metadata alone (`tokenizer.ggml.*` and `tokenizer.chat_template`).
+
+        `n_vocab`: the model's `token_embd` rows, which the vocabulary must match; `source`: the file, named in
+        errors. Bad metadata raises `GGUFMetadataError` (see `ggufpy.schema.TOKENIZER_KEYS`).
+        """
+        vocab = build_vocab(metadata, n_vocab=n_vocab, source=source)
+        engine = build_spm(vocab, source=source) if vocab.is_spm else build_bpe(vocab)
+        template = read(metadata, TOKENIZER_KEYS["chat_template"], source=source)
+        return cls(vocab, engine, template)
 
     # -- vocabulary facts -------------------------------------------------------------------------------
 

@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import GGUFMetadataError, GGUFUnsupportedError
+from ..schema import TOKENIZER_KEYS, fail, read_all
 from .pretokenizers import PreTokenizer, resolve_pre
 
 __all__ = ["TokenAttr", "TokenType", "Vocab", "build_vocab"]
@@ -151,14 +153,6 @@ class Vocab:
         return len(self.tokens)
 
 
-def _ids(value: Any, n: int) -> list[Any]:
-    """A metadata array (list or NumPy array) as a list, length-checked against the vocabulary."""
-    out = value.tolist() if isinstance(value, np.ndarray) else list(value)
-    if len(out) < n:
-        raise ValueError(f"metadata array has {len(out)} entries, fewer than the {n} tokens of tokenizer.ggml.tokens")
-    return out
-
-
 def _split_merge(merge: str) -> tuple[str, str]:
     # llama.cpp splits at the first space after position 0 ("  x" is (" ", "x")); no space -> ("", "")
     pos = merge.find(" ", 1)
@@ -167,19 +161,33 @@ def _split_merge(merge: str) -> tuple[str, str]:
     return merge[:pos], merge[pos + 1 :]
 
 
-def build_vocab(metadata: Mapping[str, Any]) -> Vocab:
-    """Read the `tokenizer.ggml.*` metadata the way llama.cpp's `llama_vocab::impl::load` does."""
-    model = metadata.get(K + "model")
+def _per_token(v: dict[str, Any], field: str, n: int, source: str | None) -> np.ndarray | None:
+    """A per-token array (scores, token types) cut to the vocabulary; it must have an entry for every token."""
+    values = v[field]
+    if values is not None and len(values) < n:
+        key = TOKENIZER_KEYS[field].name
+        raise fail(key, values, f"must have an entry for each of the {n} tokens of {K}tokens", source)
+    return None if values is None else values[:n]
+
+
+def build_vocab(metadata: Mapping[str, Any], n_vocab: int | None = None, source: str | None = None) -> Vocab:
+    """Read the `tokenizer.ggml.*` metadata the way llama.cpp's `llama_vocab::impl::load` does.
+
+    Every key is checked against `ggufpy.schema.TOKENIZER_KEYS` first (`GGUFMetadataError` naming `source`, the
+    file). `n_vocab`, when given, is the number of `token_embd` rows: the vocabulary must have exactly that many
+    tokens (llama.cpp checks the same through the tensor's shape), which also bounds the work done below.
+    """
+    v = read_all(metadata, TOKENIZER_KEYS, source=source)
+    model = v["model"]
     if model not in ("llama", "gpt2"):
-        raise ValueError(
-            f"tokenizer.ggml.model = {model!r} is not supported: ggufpy reads 'llama' (SentencePiece BPE) "
-            "and 'gpt2' (byte-level BPE) vocabularies"
+        raise GGUFUnsupportedError(
+            f"{source + ': ' if source else ''}tokenizer.ggml.model = {model!r} is not supported: ggufpy reads "
+            "'llama' (SentencePiece BPE) and 'gpt2' (byte-level BPE) vocabularies"
         )
-    tokens_raw = metadata.get(K + "tokens")
-    if tokens_raw is None:
-        raise ValueError("tokenizer.ggml.tokens is missing: the file has no vocabulary")
-    tokens = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens_raw)]
-    n = len(tokens)
+    n = len(v["tokens"])
+    if n_vocab is not None and n != n_vocab:
+        raise fail(K + "tokens", v["tokens"], f"must have one token per row of token_embd ({n_vocab})", source)
+    tokens = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(v["tokens"])]
 
     # defaults per model (load: "determine vocab type")
     special: dict[str, int | None] = dict.fromkeys(
@@ -192,22 +200,24 @@ def build_vocab(metadata: Mapping[str, Any]) -> Vocab:
         special.update(bos=1, eos=2, unk=0)
         add_space_prefix, clean_spaces, add_bos, add_eos = True, False, True, False
     else:
-        raw_merges = metadata.get(K + "merges")
-        if raw_merges is None:
-            raise ValueError("tokenizer.ggml.merges is missing: a 'gpt2' vocabulary needs its BPE merges")
-        merges = [_split_merge(m) for m in raw_merges]
+        if v["merges"] is None:
+            raise GGUFMetadataError(
+                f"{source + ': ' if source else ''}metadata key tokenizer.ggml.merges is required but missing: "
+                "a 'gpt2' vocabulary needs its BPE merges"
+            )
+        merges = [_split_merge(m) for m in v["merges"]]
         special.update(bos=11, eos=11)
-        pre = resolve_pre(metadata.get(K + "pre"))
+        pre = resolve_pre(v["pre"])
         add_space_prefix, clean_spaces, add_bos, add_eos = False, pre.clean_spaces, pre.add_bos, False
         if pre.no_bos:
             special["bos"] = None
-    add_space_prefix = bool(metadata.get(K + "add_space_prefix", add_space_prefix))
+    add_space_prefix = _flag(v["add_space_prefix"], add_space_prefix)
 
-    scores_raw = metadata.get(K + "scores")
-    scores = np.asarray(_ids(scores_raw, n)[:n] if scores_raw is not None else np.zeros(n), dtype=np.float32)
-    types_raw = metadata.get(K + "token_type")
-    if types_raw is not None:
-        token_types = np.asarray(_ids(types_raw, n)[:n], dtype=np.int32)
+    scores = _per_token(v, "scores", n, source)
+    scores = np.zeros(n, np.float32) if scores is None else scores.astype(np.float32)
+    types = _per_token(v, "token_type", n, source)
+    if types is not None:
+        token_types = types.astype(np.int32)
         attrs = _TYPE_TO_ATTR[np.clip(token_types, 0, 255)]
         attrs[(token_types < 0) | (token_types > 255)] = TokenAttr.UNDEFINED
     else:
@@ -219,18 +229,24 @@ def build_vocab(metadata: Mapping[str, Any]) -> Vocab:
     for name, value in special.items():
         if value is not None and value >= n:
             special[name] = None
+    ids = {k.name: v[field] for field, k in TOKENIZER_KEYS.items() if k.name.endswith("_token_id")}
     for name, key in _SPECIAL_KEYS:
-        if key in metadata:
-            new_id = int(metadata[key])
-            if 0 <= new_id < n:
-                special[name] = new_id
-            else:
-                warnings.warn(
-                    f"{key} = {new_id} is outside the vocabulary (n = {n}): keeping {special[name]}", stacklevel=2
-                )
-    add_bos = bool(metadata.get(K + "add_bos_token", add_bos))
-    add_eos = bool(metadata.get(K + "add_eos_token", add_eos))
-    add_sep = bool(metadata.get(K + "add_sep_token", False))
+        new_id = ids[key]
+        if new_id is None:
+            continue
+        if new_id < n:
+            special[name] = new_id
+        else:  # as llama.cpp ("bad special token"): converted files do name e.g. a padding id == n_vocab
+            warnings.warn(
+                f"{key} = {new_id} is outside the vocabulary (n = {n}): keeping {special[name]}", stacklevel=2
+            )
+    add_bos = _flag(v["add_bos"], add_bos)
+    add_eos = _flag(v["add_eos"], add_eos)
+    add_sep = _flag(v["add_sep"], False)
+    for flag, name in ((add_bos, "bos"), (add_eos, "eos")):
+        if flag and special[name] is None:  # llama.cpp would abort on its GGML_ASSERT at the first tokenize
+            key = TOKENIZER_KEYS[f"add_{name}"].name
+            raise fail(key, True, f"needs a {name} token, and this vocabulary has none", source)
 
     # EOT / EOM / FIM by text. llama.cpp walks an unordered_map, so with several candidates its pick
     # depends on hashing; the lowest id matches it on the SmolLM2 vocabulary (<|endoftext|> over <|im_end|>).
@@ -276,7 +292,7 @@ def build_vocab(metadata: Mapping[str, Any]) -> Vocab:
     special_ids = sorted(np.flatnonzero(is_special).tolist(), key=lambda i: -len(tokens[i].encode()))
 
     pieces = _pieces(tokens, attrs, model)
-    _per_model_attrs(metadata, tokens, token_to_id, attrs, special_ids)
+    _per_model_attrs(v, token_to_id, attrs, special_ids)
 
     return Vocab(
         model=model,
@@ -358,17 +374,17 @@ def _strtol16(digits: str) -> int:
     return value
 
 
+def _flag(value: bool | None, default: bool) -> bool:
+    return default if value is None else value
+
+
 def _per_model_attrs(
-    metadata: Mapping[str, Any],
-    tokens: Sequence[str],
-    token_to_id: Mapping[str, int],
-    attrs: np.ndarray,
-    special_ids: Sequence[int],
+    v: Mapping[str, Any], token_to_id: Mapping[str, int], attrs: np.ndarray, special_ids: Sequence[int]
 ) -> None:
     """LSTRIP / RSTRIP set by model name (load: "set attributes by model/tokenizer/architecture name")."""
-    name = str(metadata.get("general.name", "")).lower()
-    pre = str(metadata.get(K + "pre", ""))
-    arch = str(metadata.get("general.architecture", ""))
+    name = v["name"].lower()
+    pre = v["pre"] or ""
+    arch = v["architecture"]
     if any(s in pre for s in ("jina-v2-de", "jina-v2-es", "jina-v2-code")) or any(
         s in arch for s in ("nomic-bert-moe", "jina-bert-v3")
     ):

@@ -1,0 +1,73 @@
+"""Record llama.cpp's perplexity on the packaged models, for tests/test_perplexity.py.
+
+llama.cpp's logits come from `conformance.llamacpp.LlamaCpp` (the conformance settings: one ubatch per
+chunk, as `llama-perplexity -c N -b N` runs it); the protocol (chunks, BOS substitution, scoring the second
+half) is llama-perplexity's and is applied here to llama.cpp's tokens and logits independently of ggufpy's
+tokenizer and chunker. Run: `python -m conformance.record_perplexity` (needs the conformance extra).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+from conformance import llamacpp
+from ggufpy.packaged import PACKAGED_MODELS
+from ggufpy.perplexity import default_text
+
+OUT = Path(__file__).resolve().parents[1] / "tests" / "data" / "perplexity"
+CASES = {"smollm2": (64, 3), "gemma3": (64, 2)}  # model -> (n_ctx, n_chunks): small, so the NumPy replay is quick
+
+
+def llamacpp_nll(logits: np.ndarray, targets: list[int]) -> list[float]:
+    """llama-perplexity's `log_softmax`: max in f32, expf of each shifted logit summed in double."""
+    out = []
+    for row, tok in zip(logits, targets, strict=True):
+        row = row.astype(np.float32)
+        m = row.max()
+        s = math.fsum(float(x) for x in np.exp(row - m))
+        out.append(float(m) + math.log(s) - float(row[tok]))
+    return out
+
+
+def record(name: str, n_ctx: int, n_chunks: int) -> dict:
+    path = PACKAGED_MODELS[name]()
+    with llamacpp.LlamaCpp(path) as lc:
+        lib = llamacpp._lib()
+        tokens = lc.tokenize(default_text(), add_special=True)
+        add_bos = bool(lib.llama_vocab_get_add_bos(lc._vocab))
+        bos = int(lib.llama_vocab_bos(lc._vocab))
+        first = n_ctx // 2
+        nlls = []
+        for i in range(n_chunks):
+            chunk = tokens[i * n_ctx : (i + 1) * n_ctx]
+            if add_bos:
+                chunk = [bos, *chunk[1:]]
+            logits, _ = lc.run(chunk)
+            nlls.append(llamacpp_nll(logits[first : n_ctx - 1], tokens[i * n_ctx + first + 1 : (i + 1) * n_ctx]))
+    flat = [x for chunk in nlls for x in chunk]
+    return {
+        "model": name,
+        "n_ctx": n_ctx,
+        "n_chunks": n_chunks,
+        "add_bos": add_bos,
+        "tokens": tokens[: n_chunks * n_ctx],
+        "nll": nlls,
+        "ppl": math.exp(sum(flat) / len(flat)),
+        "llama_cpp": llamacpp.versions(),
+    }
+
+
+def main() -> None:
+    OUT.mkdir(parents=True, exist_ok=True)
+    for name, (n_ctx, n_chunks) in CASES.items():
+        result = record(name, n_ctx, n_chunks)
+        (OUT / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+        print(f"{name}: PPL {result['ppl']:.6f} over {n_chunks} chunks of {n_ctx}")
+
+
+if __name__ == "__main__":
+    main()

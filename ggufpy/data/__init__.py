@@ -1,0 +1,1 @@
+"""Data files shipped with ggufpy (the evaluation text of `ggufpy perplexity`)."""

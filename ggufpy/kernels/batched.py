@@ -1,0 +1,181 @@
+"""Batched decode products: B activation rows of B independent sequences times one packed weight.
+
+`matvec_rows(p, xv, terms)` gives, for each row t, bit for bit the result of `matvec` on that row alone
+(T == 1), whatever the other rows are: each row's sums take the single-row kernels' operations in their order
+(`_nib_row`; `_row` with the `*_dot1` inner products), with the loops turned inside out:
+
+    for g in prange(groups):       # one task per group of 64 weight rows
+        for s in sub-blocks:       # unpack sub-block s of the group to f32 (S, 64) once
+            for t in range(B):     # row t's sums over it, in the single-row kernel's order
+
+so each weight byte comes from memory once per step for all B rows (decode is memory-bound), and is unpacked
+to f32 once for all rows (a sub-block at a time, into an L1 scratch). `matvec`'s own T > 1 path takes rows
+two at a time with another summation (and the last row of an odd T alone), so its rows depend on their
+neighbours: the batched decode of `Model.decode_batch` must not use it.
+
+numba caveat (measured): a kernel compiled in this process and the same source loaded from numba's disk
+cache can round differently, so "bit-identical to `matvec`" holds when both kernels come from the same place
+(both compiled now, as on a clean checkout, or both cached); right after this file changes, the first process
+compiles these kernels while `matvec`'s come from the cache. The server decodes every token with these
+kernels, so its responses do not depend on it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ._numba import get_threads, jit, prange, use_threads
+from .backend import FLOAT_TYPES
+from .layout import GROUP, Packed
+from .matvec import _NO_TERMS, _nib6_values, _scale_at, _terms, plan
+
+__all__ = ["linears_rows", "matvec_rows"]
+
+
+# --- unpacking one sub-block of a group into f32 values (S, 64), once for all rows ---------------------------
+@jit(inline=True)
+def _unpack_nib(q, g, s, S, vals, quarter):
+    for k in range(S):
+        for r in range(32):
+            v = q[g, s, k, r]
+            vals[k, r] = np.float32(np.int32(v & 15))
+            vals[k, 32 + r] = np.float32(np.int32(v >> 4))
+
+
+@jit(inline=True)
+def _unpack_nib6(q, g, s, S, vals, quarter):
+    for k in range(S):
+        for r in range(quarter):
+            v0, v1, v2, v3 = _nib6_values(q, g, s, k, r)
+            vals[k, r] = v0
+            vals[k, 16 + r] = v1
+            vals[k, 32 + r] = v2
+            vals[k, 48 + r] = v3
+
+
+@jit(inline=True)
+def _unpack_i8(q, g, s, S, vals, quarter):
+    for k in range(S):
+        for r in range(64):
+            vals[k, r] = np.float32(np.int32(q[g, s, k, r]))
+
+
+@jit(inline=True)
+def _rows(unpack, q, a, b, sc, mn, per, zo, xv, terms, exact, g, out, quarter):
+    """Every row t of xv times group g, each row's operations those of the single-row kernels (`_nib_row`,
+    `_row`): per lane r, blk[r] += x[t, k] * value[k, r] over the sub-block's k in order, then the scales
+    (`_accumulate_direct`). The sub-block is unpacked once into `vals` (<= 8 KB, in L1) for all rows.
+    Scratch arrays are indexed, never sliced: a view in a parallel loop's body costs numba's `noalias`."""
+    _, n, S, _ = q.shape
+    B = xv.shape[0]
+    vals = np.empty((S, 64), np.float32)
+    blk = np.empty(64, np.float32)
+    acc = np.zeros((B, 64), np.float32)
+    for s in range(n):
+        unpack(q, g, s, S, vals, quarter)
+        sb = s // per
+        for t in range(B):
+            for r in range(64):
+                blk[r] = 0.0
+            for k in range(S):
+                xk = xv[t, s * S + k]
+                for r in range(64):
+                    blk[r] += xk * vals[k, r]
+            corr, sa, sm = _terms(xv, terms, exact, zo, t, s, S)
+            if sc.shape[0] > 0:
+                for r in range(64):
+                    acc[t, r] += (_scale_at(a, g, sb, r) * np.float32(np.int32(sc[g, s, r])) * sa) * (blk[r] + corr)
+            else:
+                for r in range(64):
+                    acc[t, r] += (_scale_at(a, g, sb, r) * sa) * (blk[r] + corr)
+            if b.shape[0] > 0:
+                if mn.shape[0] > 0:
+                    for r in range(64):
+                        acc[t, r] += _scale_at(b, g, sb, r) * np.float32(np.int32(mn[g, s, r])) * sm
+                else:
+                    for r in range(64):
+                        acc[t, r] += _scale_at(b, g, sb, r) * sm
+    for t in range(B):
+        for r in range(64):
+            out[t, g * 64 + r] = acc[t, r]
+
+
+# Separate kernels per family, as in `matvec`: LLVM optimizes each loop nest on its own.
+@jit(parallel=True, fast=True)
+def _rows_nib(nt, q, a, b, sc, mn, per, zo, xv, terms, exact, out):
+    previous = use_threads(nt)
+    for g in prange(q.shape[0]):
+        _rows(_unpack_nib, q, a, b, sc, mn, per, zo, xv, terms, exact, g, out, 0)
+    use_threads(previous)
+
+
+@jit(parallel=True, fast=True)
+def _rows_nib6(nt, q, a, b, sc, mn, per, zo, xv, terms, exact, out):
+    previous = use_threads(nt)
+    for g in prange(q.shape[0]):
+        _rows(_unpack_nib6, q, a, b, sc, mn, per, zo, xv, terms, exact, g, out, q.shape[3] // 3)
+    use_threads(previous)
+
+
+@jit(parallel=True, fast=True)
+def _rows_i8(nt, q, a, b, sc, mn, per, zo, xv, terms, exact, out):
+    previous = use_threads(nt)
+    for g in prange(q.shape[0]):
+        _rows(_unpack_i8, q, a, b, sc, mn, per, zo, xv, terms, exact, g, out, 0)
+    use_threads(previous)
+
+
+_ROWS = {"nib": _rows_nib, "nib6": _rows_nib6, "i8": _rows_i8}  # storage family -> batched row kernel
+
+
+def matvec_rows(p: Packed, xv: np.ndarray, terms: np.ndarray | None, planned=None, threads: int = 0) -> np.ndarray:
+    """y (B, G*64): each of the B rows of xv times the packed weight exactly as `matvec` computes a single row.
+
+    `terms=None` means exact numerics (xv = x), as in `matvec`; otherwise `activations.prepare` made xv and terms
+    row by row. Rows past `p.rows` (padding of the last group) are 0."""
+    out = np.empty((xv.shape[0], p.groups * GROUP), np.float32)
+    _, args = planned or plan(p)
+    exact = terms is None
+    _ROWS[p.family](threads or get_threads(), *args, xv, _NO_TERMS if exact else terms, exact, out)
+    return out
+
+
+def linears_rows(backend, x: np.ndarray, ws: tuple) -> list[np.ndarray]:
+    """`NumbaBackend.linears(x, ws)` for B rows of independent sequences: row b of each result is bit for bit
+    `backend.linears(x[b:b+1], ws)`, whatever the other rows. Uses the same stacked weights as `linears` (a
+    stack's groups are computed independently, so a stacked product equals the separate ones). Float weights
+    and quantized activations (`llamacpp` numerics) go row by row through `linear`: correct by construction."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if backend.numerics.quantize_activations:
+        return [
+            np.concatenate(rows)
+            for rows in zip(*(backend.linears(x[b : b + 1], ws) for b in range(len(x))), strict=True)
+        ]
+    groups = backend._stacks.get(ws)
+    if groups is None:
+        groups = backend._stacks[ws] = backend._stack_groups(ws)
+    out: list[np.ndarray | None] = [None] * len(ws)
+    for members, stack in groups:
+        w = ws[members[0]]
+        if x.ndim != 2 or x.shape[1] != w.shape[-1]:
+            raise ValueError(f"{w.name}: activations of shape {x.shape} do not fit a weight of shape {w.shape}")
+        if stack is None:
+            (i,) = members
+            if w.type in FLOAT_TYPES:
+                out[i] = np.concatenate([backend.linear(x[b : b + 1], w) for b in range(len(x))])
+                continue
+            p = backend.packed(w)
+            planned = backend._plans.get(w)
+            if planned is None:
+                planned = backend._plans[w] = plan(p)
+            out[i] = _product(backend, x, p, planned)[:, : p.rows]
+            continue
+        p, planned, spans = stack
+        y = _product(backend, x, p, planned)  # (B, G*64) over the stacked groups
+        for i, (lo, rows) in zip(members, spans, strict=True):
+            out[i] = y[:, lo : lo + rows]
+    return out
+
+
+def _product(backend, x: np.ndarray, p: Packed, planned) -> np.ndarray:
+    return matvec_rows(p, x, None, planned, threads=backend._threads_for(x.shape[0] * p.rows * p.cols))

@@ -1,0 +1,16 @@
+"""`ggufpy serve`: an OpenAI-compatible HTTP server with continuous batching (docs/server.md).
+
+`scheduler` (the slot scheduler, no web dependencies), `schemas` (request bodies), `app` (FastAPI routes; needs
+the `server` extra: fastapi, uvicorn, sse-starlette).
+"""
+
+from __future__ import annotations
+
+__all__ = ["create_app"]
+
+
+def create_app(*args, **kwargs):
+    """`app.create_app`, imported on first use (FastAPI is an optional dependency)."""
+    from .app import create_app
+
+    return create_app(*args, **kwargs)

@@ -1,0 +1,383 @@
+"""The OpenAI-compatible HTTP API over a `Scheduler` (FastAPI; streaming through sse-starlette).
+
+    app = create_app(model, parallel=4, ctx_size=2048, api_key=None, model_id="smollm2")
+    uvicorn.run(app, host="127.0.0.1", port=8080)
+
+Routes: GET / (a chat page, `static/index.html`), GET /health, GET /v1/models, POST /v1/chat/completions,
+POST /v1/completions, POST /v1/embeddings, POST /tokenize, POST /detokenize, GET /metrics. Errors are OpenAI's
+`{"error": {"message", "type", "param", "code"}}` with 400 (bad body), 401 (API key), 404 (unknown model or
+route), 413 (body too large); a client error is never a 500. Documented in docs/server.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
+from sse_starlette.sse import EventSourceResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..chat import ChatTemplate, encode_chat
+from ..sampling import Sampler, SamplingParams
+from .scheduler import Event, Job, Scheduler
+from .schemas import ChatRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest, TokenizeRequest
+
+MAX_BODY_BYTES = 8 << 20  # a request body past this is refused with 413 before it is parsed
+PAGE = Path(__file__).parent / "static" / "index.html"  # the chat page at /
+DISCONNECT_POLL = 0.25  # seconds between checks that a non-streaming request's client is still there
+
+
+class APIError(Exception):
+    """An error the client caused (or may retry), shown to it as OpenAI's error object."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param=None, code=None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+
+def _error(status: int, message: str, type: str = "invalid_request_error", param=None, code=None) -> JSONResponse:
+    body = {"error": {"message": message, "type": type, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status)
+
+
+def create_app(model, parallel: int = 4, ctx_size: int = 2048, api_key: str | None = None, model_id: str = "ggufpy"):
+    """The FastAPI app serving `model` with `parallel` slots of `ctx_size` positions each."""
+    scheduler = Scheduler(model, parallel=parallel, ctx_size=ctx_size)
+    tokenizer = model.tokenizer
+    template = ChatTemplate.from_tokenizer(tokenizer, warn=False)
+    created = int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        scheduler.start()
+        yield
+        scheduler.stop()
+
+    app = FastAPI(title="ggufpy", lifespan=lifespan)
+    app.state.scheduler = scheduler
+
+    # -- errors ------------------------------------------------------------------------------------------
+    @app.exception_handler(APIError)
+    async def _api_error(request, e: APIError):
+        return _error(e.status, e.message, e.type, e.param, e.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request, e: RequestValidationError):
+        first = e.errors()[0]
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        where = ".".join(loc) or "body"
+        return _error(400, f"{where}: {first.get('msg')} (got {first.get('input')!r:.80})", param=where or None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request, e: StarletteHTTPException):
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return _error(e.status_code, f"{request.method} {request.url.path}: {e.detail}", kind)
+
+    app.add_middleware(_Guard, api_key=api_key)
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name not in (model_id, "default", ""):
+            raise APIError(404, f"model {name!r} is not served here; this server has {model_id!r}", param="model")
+
+    # -- generation --------------------------------------------------------------------------------------
+    def jobs(body, prompt: list[int], top: int | None) -> list[Job]:
+        room = ctx_size - len(prompt)
+        if room < 1:
+            raise APIError(
+                400,
+                f"the prompt has {len(prompt)} tokens and the context holds {ctx_size} (--ctx-size): "
+                f"it leaves no room for a generated token",
+                param="messages" if isinstance(body, ChatRequest) else "prompt",
+                code="context_length_exceeded",
+            )
+        max_tokens = body.max_completion_tokens or body.max_tokens or room
+        out = []
+        for i in range(body.n):
+            try:  # seeded choices get seeds seed, seed+1, ...: each its own reproducible generator
+                seed = None if body.seed is None else body.seed + i
+                params = SamplingParams(**body.sampling_fields(), seed=seed)
+            except ValueError as e:
+                raise APIError(400, str(e)) from None
+            if params.logit_bias and not all(0 <= t < model.config.vocab_size for t in params.logit_bias):
+                raise APIError(400, f"logit_bias: token ids must be in 0..{model.config.vocab_size - 1}", "logit_bias")
+            job = Job(prompt, min(max_tokens, room), Sampler(params), body.stops(), top, body.cache_prompt)
+            out.append(job)
+        return out
+
+    async def run(jobs_: list[Job]):
+        """Yield (choice index, Event) for every event of these jobs until all are done; cancel on exit."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        for i, job in enumerate(jobs_):
+            scheduler.submit(job, lambda ev, i=i: loop.call_soon_threadsafe(queue.put_nowait, (i, ev)))
+        open_ = len(jobs_)
+        try:
+            while open_:
+                i, ev = await queue.get()
+                if ev.kind != "text":
+                    open_ -= 1
+                yield i, ev
+        finally:  # the client went away (or we are done): free the slots now
+            for job in jobs_:
+                job.cancel()
+
+    def usage(events: list[Event]) -> dict[str, Any]:
+        prompt = events[0].prompt_tokens if events else 0
+        cached = min((e.cached_tokens for e in events), default=0)
+        completion = sum(e.completion_tokens for e in events)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+
+    def piece(token: int) -> str:
+        return tokenizer.decode([token])
+
+    def chat_logprobs(ev: Event) -> dict:
+        top = [{"token": piece(t), "logprob": lp, "bytes": list(piece(t).encode())} for t, lp in ev.top_logprobs or []]
+        tok = piece(ev.token)
+        return {"token": tok, "logprob": ev.logprob, "bytes": list(tok.encode()), "top_logprobs": top}
+
+    async def watch(request: Request, jobs_: list[Job]) -> None:
+        """Cancel `jobs_` when the client of a non-streaming request disconnects (nothing else would notice)."""
+        while not await request.is_disconnected():
+            await asyncio.sleep(DISCONNECT_POLL)
+        for job in jobs_:
+            job.cancel()
+
+    async def generate(request: Request, body, prompt: list[int], chat: bool):
+        top = (body.top_logprobs or 0) if chat and body.logprobs else (body.logprobs if not chat else None)
+        jobs_ = jobs(body, prompt, top)
+        ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        obj = "chat.completion" if chat else "text_completion"
+        head = {"id": ident, "created": int(time.time()), "model": model_id, "system_fingerprint": "ggufpy"}
+        stream = run(jobs_)
+        if body.stream:
+            return EventSourceResponse(stream_chunks(stream, jobs_, head, obj, chat, body), ping=15)
+
+        watcher = asyncio.create_task(watch(request, jobs_))
+        try:
+            return await collect(stream, jobs_, head, obj, chat, body)
+        finally:
+            watcher.cancel()
+
+    async def collect(stream, jobs_: list[Job], head, obj, chat: bool, body) -> dict:
+        texts = [[] for _ in jobs_]
+        lps: list[list[Event]] = [[] for _ in jobs_]
+        ends: list[Event | None] = [None] * len(jobs_)
+        async for i, ev in stream:
+            if ev.kind == "text":
+                texts[i].append(ev.text)
+                if ev.token >= 0 and ev.logprob is not None:
+                    lps[i].append(ev)
+            elif ev.kind == "error":
+                raise APIError(500, ev.message, "server_error")
+            elif ev.finish_reason == "cancelled":
+                raise APIError(499, "the client closed the request", "cancelled")
+            else:
+                ends[i] = ev
+        choices = []
+        for i, end in enumerate(ends):
+            text = "".join(texts[i])
+            if chat:
+                lp = {"content": [chat_logprobs(e) for e in lps[i]]} if body.logprobs else None
+                choice = {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp}
+            else:
+                lp = None
+                if body.logprobs is not None:
+                    lp = {
+                        "tokens": [piece(e.token) for e in lps[i]],
+                        "token_logprobs": [e.logprob for e in lps[i]],
+                        "top_logprobs": [{piece(t): v for t, v in e.top_logprobs or []} for e in lps[i]],
+                    }
+                choice = {"index": i, "text": text, "logprobs": lp}
+            choices.append({**choice, "finish_reason": end.finish_reason})
+        return {**head, "object": obj, "choices": choices, "usage": usage([e for e in ends if e])}
+
+    async def stream_chunks(stream, jobs_: list[Job], head, obj, chat: bool, body):
+        try:
+            async for chunk in _chunks(stream, head, obj, chat, body):
+                yield chunk
+        finally:  # the client disconnected mid-stream (or the stream ended): free the slots at once
+            for job in jobs_:
+                job.cancel()
+
+    async def _chunks(stream, head, obj, chat: bool, body):
+        obj += ".chunk" if chat else ""
+        ends: list[Event] = []
+        if chat:
+            for i in range(body.n):
+                delta = {"role": "assistant", "content": ""}
+                yield json.dumps({**head, "object": obj, "choices": [_choice(i, delta, None, chat)]})
+        async for i, ev in stream:
+            if ev.kind == "error":
+                yield json.dumps(
+                    {"error": {"message": ev.message, "type": "server_error", "param": None, "code": None}}
+                )
+                return
+            if ev.kind == "text":
+                if not ev.text:
+                    continue
+                lp = None
+                if ev.logprob is not None and chat and body.logprobs:
+                    lp = {"content": [chat_logprobs(ev)]}
+                yield json.dumps({**head, "object": obj, "choices": [_choice(i, {"content": ev.text}, None, chat, lp)]})
+            else:
+                ends.append(ev)
+                yield json.dumps({**head, "object": obj, "choices": [_choice(i, {}, ev.finish_reason, chat)]})
+        if body.stream_options and body.stream_options.include_usage:
+            yield json.dumps({**head, "object": obj, "choices": [], "usage": usage(ends)})
+        yield "[DONE]"
+
+    # -- routes ------------------------------------------------------------------------------------------
+    @app.get("/", include_in_schema=False)
+    async def page():
+        return HTMLResponse(PAGE.read_text(encoding="utf-8"))
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "slots_idle": parallel - scheduler.metrics.slots_busy}
+
+    @app.get("/v1/models")
+    async def models():
+        entry = {"id": model_id, "object": "model", "created": created, "owned_by": "ggufpy"}
+        return {"object": "list", "data": [{**entry, "meta": {"n_ctx": ctx_size, "n_vocab": model.config.vocab_size}}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request, body: ChatRequest):
+        check_model(body.model)
+        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        try:
+            prompt = encode_chat(tokenizer, messages, template)
+        except Exception as e:  # a template that rejects these messages (roles out of order, ...)
+            raise APIError(400, f"the chat template cannot render these messages: {e}", param="messages") from None
+        return await generate(request, body, prompt, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request, body: CompletionRequest):
+        check_model(body.model)
+        if isinstance(body.prompt, str):
+            prompt = tokenizer.encode(body.prompt, add_special=True, parse_special=True)
+        else:
+            prompt = list(body.prompt)
+            if not all(0 <= t < model.config.vocab_size for t in prompt):
+                raise APIError(400, f"prompt: token ids must be in 0..{model.config.vocab_size - 1}", param="prompt")
+        if not prompt:
+            raise APIError(400, "prompt: empty (no tokens to continue from)", param="prompt")
+        return await generate(request, body, prompt, chat=False)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest):
+        check_model(body.model)
+        items = body.input
+        if isinstance(items, str) or (items and isinstance(items[0], int)):
+            items = [items]
+        ids = [tokenizer.encode(x, add_special=True) if isinstance(x, str) else list(x) for x in items]
+        for i, x in enumerate(ids):
+            if not x or len(x) > ctx_size or not all(0 <= t < model.config.vocab_size for t in x):
+                raise APIError(400, f"input[{i}]: {len(x)} tokens; need 1..{ctx_size} valid token ids", param="input")
+        vectors = [await asyncio.wrap_future(scheduler.run_exclusive(lambda m, x=x: _embed(m, x))) for x in ids]
+        if body.encoding_format == "base64":  # little-endian float32 bytes, as OpenAI's (the openai client's default)
+            vectors = [base64.b64encode(np.asarray(v, "<f4").tobytes()).decode() for v in vectors]
+        data = [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)]
+        n = sum(map(len, ids))
+        return {"object": "list", "data": data, "model": model_id, "usage": {"prompt_tokens": n, "total_tokens": n}}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        return {
+            "tokens": tokenizer.encode(body.content, add_special=body.add_special, parse_special=body.parse_special)
+        }
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        if not all(0 <= t < model.config.vocab_size for t in body.tokens):
+            raise APIError(400, f"tokens: ids must be in 0..{model.config.vocab_size - 1}", param="tokens")
+        return {"content": tokenizer.decode(body.tokens)}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(_prometheus(scheduler, parallel))
+
+    return app
+
+
+class _Guard:
+    """Refuses, before any route runs, a body over MAX_BODY_BYTES (413) and a missing or wrong API key (401).
+    Plain ASGI, not `@app.middleware("http")`: that wrapper hides a client's disconnect from the routes."""
+
+    def __init__(self, app, api_key: str | None):
+        self.app, self.api_key = app, api_key
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            headers = dict(scope["headers"])
+            length = headers.get(b"content-length", b"0").decode("latin-1")
+            refusal = None
+            if not length.isdigit() or int(length) > MAX_BODY_BYTES:
+                refusal = _error(413, f"request body of {length} bytes exceeds the limit of {MAX_BODY_BYTES}")
+            elif self.api_key is not None and scope["path"] not in ("/health", "/"):
+                if headers.get(b"authorization", b"").decode("latin-1") != f"Bearer {self.api_key}":
+                    refusal = _error(
+                        401, "missing or incorrect API key (Authorization: Bearer KEY)", code="invalid_api_key"
+                    )
+            if refusal is not None:
+                await refusal(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _choice(i: int, delta: dict, finish: str | None, chat: bool, logprobs=None) -> dict:
+    if chat:
+        return {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+    return {"index": i, "text": delta.get("content", ""), "logprobs": logprobs, "finish_reason": finish}
+
+
+def _embed(model, ids: list[int]) -> list[float]:
+    """Mean over the tokens of the final normalized hidden state (`result_norm`), L2-normalized as OpenAI's."""
+    trace: dict[str, np.ndarray] = {}
+    model.forward(np.asarray(ids, dtype=np.int64), 0, model.new_cache(capacity=len(ids)), trace=trace)
+    v = trace["result_norm"].astype(np.float64).mean(axis=0)
+    return (v / (np.linalg.norm(v) or 1.0)).tolist()
+
+
+def _prometheus(scheduler: Scheduler, parallel: int) -> str:
+    m = scheduler.metrics
+    rate = m.decode_tokens_total / m.decode_seconds_total if m.decode_seconds_total else 0.0
+    lines = [
+        ("ggufpy_requests_total", "counter", "requests accepted", m.requests_total),
+        ("ggufpy_prompt_tokens_total", "counter", "prompt tokens of finished requests", m.prompt_tokens_total),
+        ("ggufpy_completion_tokens_total", "counter", "generated tokens", m.completion_tokens_total),
+        ("ggufpy_decode_steps_total", "counter", "batched decode steps", m.decode_steps_total),
+        ("ggufpy_requests_processing", "gauge", "busy slots", m.slots_busy),
+        ("ggufpy_requests_waiting", "gauge", "requests queued for a slot", m.queue_length),
+        ("ggufpy_slots", "gauge", "slots (--parallel)", parallel),
+        (
+            "ggufpy_decode_tokens_per_second",
+            "gauge",
+            "aggregate rate of the last decode step",
+            m.last_decode_tokens_per_second,
+        ),
+        ("ggufpy_decode_tokens_per_second_avg", "gauge", "decoded tokens per second of decode-step time", rate),
+    ]
+    out = []
+    for name, kind, help_, value in lines:
+        out += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {value}"]
+    out += [
+        "# HELP ggufpy_requests_finished_total finished requests by reason",
+        "# TYPE ggufpy_requests_finished_total counter",
+    ]
+    out += [f'ggufpy_requests_finished_total{{reason="{r}"}} {n}' for r, n in sorted(m.requests_finished.items())]
+    return "\n".join(out) + "\n"

@@ -1,0 +1,345 @@
+"""The slot scheduler: continuous batching of generation requests on one model, in one thread.
+
+    scheduler = Scheduler(model, parallel=4, ctx_size=2048)
+    scheduler.start()
+    job = scheduler.submit(Job(prompt_ids, max_tokens=64, sampler=Sampler(params), stop=("\\n",)), on_event)
+
+The thread owns the model. Each step it
+1. admits waiting jobs into free slots (a slot is a KV cache of `ctx_size` positions and the job's state);
+2. prefills one chunk (`prefill_chunk` tokens) of one slot whose prompt is not in yet, taking the slots in
+   turn, so a long prompt delays the others by one chunk per step, not by its whole length;
+3. decodes one token for every slot past its prompt with `Model.decode_batch`: one pass over the weights
+   for all of them, each row bit-identical to that sequence decoded alone (batch invariance).
+A job whose client went away (`Job.cancel`) or that finished frees its slot before the next step.
+
+Determinism: a job's chunk boundaries depend only on its own prompt (multiples of `prefill_chunk` from
+position 0), its first token comes from its prefill's last row, every later token from its own row of the
+batched decode, and its sampler has its own seeded generator: so at temperature 0, or with a seed, a response
+is token for token the same whatever else is running.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..backend import one_blas_thread
+from ..generation import IncrementalDecoder, split_at_stop
+from ..kvcache import ContextLengthError
+from ..sampling import Sampler, softmax
+
+PREFILL_CHUNK = 64  # prompt tokens per prefill step: another slot waits at most one chunk for its next token
+IDLE_WAIT = 0.05  # seconds the thread sleeps when there is nothing to do (woken early by a new job)
+
+
+@dataclass
+class Event:
+    """What a job reports to its client: a piece of text (`kind="text"`), the end (`"done"`, with
+    `finish_reason` and the usage counts) or a failure (`"error"`, with `message`)."""
+
+    kind: str
+    text: str = ""
+    token: int = -1
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    message: str = ""
+
+
+@dataclass
+class Job:
+    """One generation request: prompt token ids, at most `max_tokens` new tokens, a sampler with its own
+    generator, stop strings, and how many top log-probabilities to report per token (None: none)."""
+
+    prompt: Sequence[int]
+    max_tokens: int
+    sampler: Sampler
+    stop: tuple[str, ...] = ()
+    logprobs: int | None = None
+    cache_prompt: bool = True  # may reuse (and leave behind) a cached prompt prefix (llama.cpp's `cache_prompt`)
+    id: int = field(default_factory=itertools.count().__next__)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        """Stop this job at the next step and free its slot (the client went away)."""
+        self.cancelled.set()
+
+
+class _Slot:
+    """A running job: its cache, how far its prompt is in, and its text state."""
+
+    def __init__(self, job: Job, cache, emit: Callable[[Event], None], tokenizer):
+        self.job, self.cache, self.emit = job, cache, emit
+        self.prefilled = 0  # prompt tokens already in the cache
+        self.cached = 0  # of which were reused from an earlier request's cache
+        self.history = list(job.prompt)  # prompt then generated tokens (what the penalties look at)
+        self.generated = 0
+        self.next_token: int | None = None  # sampled, not yet in the cache
+        self.decoder = IncrementalDecoder(tokenizer, job.prompt)
+        self.pending = ""  # text held back because it could start a stop string
+
+
+class Metrics:
+    """Counters for /metrics (read without a lock: each is one int or float assignment)."""
+
+    def __init__(self):
+        self.requests_total = 0
+        self.requests_finished = collections.Counter()  # finish reason -> count
+        self.prompt_tokens_total = 0
+        self.completion_tokens_total = 0
+        self.decode_steps_total = 0
+        self.decode_tokens_total = 0
+        self.decode_seconds_total = 0.0
+        self.prefill_tokens_total = 0
+        self.prefill_seconds_total = 0.0
+        self.last_decode_tokens_per_second = 0.0
+        self.slots_busy = 0
+        self.queue_length = 0
+
+
+class Scheduler:
+    """`parallel` slots over one model, run by one thread (`start`/`stop`). Thread-safe: `submit`, `cancel`,
+    `run_exclusive` may be called from any thread."""
+
+    def __init__(self, model, parallel: int = 4, ctx_size: int = 2048, prefill_chunk: int = PREFILL_CHUNK):
+        if parallel < 1:
+            raise ValueError(f"parallel = {parallel}: need at least one slot")
+        if not 1 <= ctx_size <= model.config.context_length:
+            raise ValueError(f"ctx_size = {ctx_size}: must be in 1..{model.config.context_length} (the model's)")
+        self.model, self.parallel, self.ctx_size, self.prefill_chunk = model, parallel, ctx_size, prefill_chunk
+        self.tokenizer = model.tokenizer
+        self.eog = frozenset(self.tokenizer.eog_ids)
+        self.metrics = Metrics()
+        self._waiting: collections.deque[tuple[Job, Callable]] = collections.deque()
+        self._exclusive: collections.deque[tuple[Callable, Future]] = collections.deque()
+        self._slots: list[_Slot] = []
+        self._cached: list[tuple[list[int], object]] = []  # (prompt ids, KV cache) of finished requests, oldest first
+        self.cached_prompts = parallel  # how many finished requests' caches are kept for reuse
+        self._turn = 0  # which prefilling slot goes next
+        self._wake = threading.Condition()
+        self._running = False
+        self._thread: threading.Thread | None = None
+
+    # -- the client side -------------------------------------------------------------------------------------
+    def submit(self, job: Job, emit: Callable[[Event], None]) -> Job:
+        """Queue `job`; `emit(event)` is called from the scheduler thread for each of its events."""
+        if len(job.prompt) + 1 > self.ctx_size:
+            raise ContextLengthError(
+                f"the prompt has {len(job.prompt)} tokens; the context holds {self.ctx_size} (--ctx-size), "
+                f"so at most {self.ctx_size - 1} prompt tokens fit with one generated token"
+            )
+        with self._wake:
+            self._waiting.append((job, emit))
+            self.metrics.requests_total += 1
+            self.metrics.queue_length = len(self._waiting)
+            self._wake.notify()
+        return job
+
+    def run_exclusive(self, fn: Callable[[Any], Any]) -> Future:
+        """Run `fn(model)` on the scheduler thread between two steps (the model is not shared between threads)."""
+        future: Future = Future()
+        with self._wake:
+            self._exclusive.append((fn, future))
+            self._wake.notify()
+        return future
+
+    def start(self) -> None:
+        self._running = True
+        self._thread = threading.Thread(target=self._loop, name="ggufpy-scheduler", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._wake:
+            self._running = False
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def idle(self) -> bool:
+        return not self._slots and not self._waiting
+
+    # -- the scheduler thread --------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                if not self._running:
+                    break
+                if not (self._slots or self._waiting or self._exclusive):
+                    self._wake.wait(IDLE_WAIT)
+                    continue
+                admitted = self._admit()
+                exclusive = list(self._exclusive)
+                self._exclusive.clear()
+            for fn, future in exclusive:
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(fn(self.model))
+                    except Exception as e:  # reported to the caller, never kills the loop
+                        future.set_exception(e)
+            for slot in admitted:
+                self._slots.append(slot)
+            self._drop_cancelled()
+            self._prefill_one()
+            self._decode_all()
+            self.metrics.slots_busy = len(self._slots)
+        for slot in self._slots:  # shutting down: tell the clients
+            self._finish(slot, "error", "the server is shutting down")
+
+    def _admit(self) -> list[_Slot]:
+        admitted = []
+        while self._waiting and len(self._slots) + len(admitted) < self.parallel:
+            job, emit = self._waiting.popleft()
+            if job.cancelled.is_set():
+                continue
+            cache, reused = self._reuse(job.prompt) if job.cache_prompt else (None, 0)
+            slot = _Slot(job, cache or self.model.new_cache(capacity=self.ctx_size), emit, self.tokenizer)
+            slot.prefilled = slot.cached = reused
+            admitted.append(slot)
+        self.metrics.queue_length = len(self._waiting)
+        return admitted
+
+    def _reuse(self, prompt: Sequence[int]) -> tuple[object | None, int]:
+        """(a cached KV cache, how many of its positions `prompt` can keep), or (None, 0).
+
+        Only whole prefill chunks that lay inside the earlier prompt are kept: their keys and values came from
+        the same chunk of the same tokens that a fresh prefill of `prompt` computes, so they are bit for bit
+        what this request would compute alone (positions prefilled in a shorter last chunk, or decoded one at a
+        time, would round differently). At least one prompt token is left to prefill, for the first logits."""
+        best, keep = None, 0
+        for i, (ids, _cache) in enumerate(self._cached):
+            common = 0
+            for a, b in zip(ids, prompt, strict=False):
+                if a != b:
+                    break
+                common += 1
+            n = min(common, len(ids), len(prompt) - 1) // self.prefill_chunk * self.prefill_chunk
+            if n > keep:
+                best, keep = i, n
+        if best is None:
+            return None, 0
+        _ids, cache = self._cached.pop(best)
+        cache.advance(keep)  # forget the rest: later writes overwrite it, attention reads only 0..keep-1
+        return cache, keep
+
+    def _remember(self, slot: _Slot) -> None:
+        """Keep a finished request's cache for a later request that starts with the same prompt chunks."""
+        if slot.job.cache_prompt and len(slot.job.prompt) >= self.prefill_chunk and slot.cache is not None:
+            self._cached.append((list(slot.job.prompt), slot.cache))
+            while len(self._cached) > self.cached_prompts:
+                self._cached.pop(0)  # the least recently finished
+
+    def _drop_cancelled(self) -> None:
+        for slot in [s for s in self._slots if s.job.cancelled.is_set()]:
+            self._finish(slot, "cancelled")
+
+    def _prefill_one(self) -> None:
+        filling = [s for s in self._slots if s.prefilled < len(s.job.prompt)]
+        if not filling:
+            return
+        slot = filling[self._turn % len(filling)]
+        self._turn += 1
+        start = slot.prefilled
+        chunk = np.asarray(slot.job.prompt[start : start + self.prefill_chunk], dtype=np.int64)
+        t0 = time.perf_counter()
+        try:
+            # one BLAS thread: measured on this 2-core machine under load, a 37-token SmolLM2 prefill took
+            # 13-18 s with OpenBLAS's 2 threads and 1.9 s with one (`one_blas_thread` says why)
+            with one_blas_thread():
+                logits = self.model.forward(chunk, start, slot.cache, last_only=True)[-1]
+        except Exception as e:
+            self._finish(slot, "error", f"prefill failed: {e}")
+            return
+        self.metrics.prefill_tokens_total += len(chunk)
+        self.metrics.prefill_seconds_total += time.perf_counter() - t0
+        slot.prefilled += len(chunk)
+        if slot.prefilled == len(slot.job.prompt):
+            self._sampled(slot, logits)
+
+    def _decode_all(self) -> None:
+        ready = [s for s in self._slots if s.next_token is not None]
+        if not ready:
+            return
+        t0 = time.perf_counter()
+        tokens = np.asarray([s.next_token for s in ready], dtype=np.int64)
+        try:
+            logits = self.model.decode_batch(tokens, [s.cache.length for s in ready], [s.cache for s in ready])
+        except Exception as e:  # a bug, not a client error: fail these jobs, keep serving
+            for s in ready:
+                self._finish(s, "error", f"decode failed: {e}")
+            return
+        dt = time.perf_counter() - t0
+        self.metrics.decode_steps_total += 1
+        self.metrics.decode_tokens_total += len(ready)
+        self.metrics.decode_seconds_total += dt
+        self.metrics.last_decode_tokens_per_second = len(ready) / dt if dt > 0 else 0.0
+        for slot, row in zip(ready, logits, strict=True):
+            slot.next_token = None
+            self._sampled(slot, row)
+
+    def _sampled(self, slot: _Slot, logits: np.ndarray) -> None:
+        """Draw the next token from `logits`, report it, and finish the job or queue the token for decode."""
+        job = slot.job
+        try:
+            token = job.sampler(logits, slot.history)
+        except ValueError as e:
+            self._finish(slot, "error", str(e))
+            return
+        logprob = top = None
+        if job.logprobs is not None:
+            lp = np.log(np.maximum(softmax(logits), 1e-300))
+            logprob = float(lp[token])
+            if job.logprobs > 0:
+                best = np.argsort(-lp, kind="stable")[: job.logprobs]
+                top = [(int(i), float(lp[i])) for i in best]
+        slot.history.append(token)
+        slot.generated += 1
+        if token in self.eog:
+            self._finish(slot, "stop")
+            return
+        text, slot.pending, stopped = split_at_stop(slot.pending + slot.decoder.push(token), job.stop)
+        slot.emit(Event("text", text=text, token=token, logprob=logprob, top_logprobs=top))
+        if stopped:
+            self._finish(slot, "stop", flush=False)
+        elif slot.generated >= job.max_tokens or slot.cache.length + 1 > slot.cache.capacity:
+            self._finish(slot, "length")
+        else:
+            slot.next_token = token
+
+    def _finish(self, slot: _Slot, reason: str, message: str = "", flush: bool = True) -> None:
+        if slot in self._slots:
+            self._slots.remove(slot)
+        if reason in ("stop", "length") and flush:  # the held-back text: ordinary text unless it completes a stop
+            rest, keep, stopped = split_at_stop(slot.pending + slot.decoder.flush(), slot.job.stop)
+            text = rest if stopped else rest + keep
+            reason = "stop" if stopped else reason
+            if text:
+                slot.emit(Event("text", text=text))
+        self.metrics.requests_finished[reason] += 1
+        self.metrics.prompt_tokens_total += len(slot.job.prompt)
+        self.metrics.completion_tokens_total += slot.generated
+        kind = "error" if reason == "error" else "done"
+        slot.emit(
+            Event(
+                kind,
+                finish_reason=reason,
+                prompt_tokens=len(slot.job.prompt),
+                completion_tokens=slot.generated,
+                cached_tokens=slot.cached,
+                message=message,
+            )
+        )
+        if reason in ("stop", "length") and slot.prefilled == len(slot.job.prompt):
+            self._remember(slot)
+        slot.cache = None  # the slot lets go of the KV memory now, not when the client lets go of the job

@@ -1,0 +1,91 @@
+"""Request bodies of the OpenAI-compatible API, as pydantic models: types and ranges are checked here, so a
+wrong body is a 400 naming the field (`app.py` turns pydantic's errors into OpenAI's error object).
+
+Unknown fields are accepted and ignored, as OpenAI-compatible servers do (clients send `user`, `store`, ...).
+Sampling fields left out keep `SamplingParams`' defaults (llama.cpp's), not OpenAI's.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_N = 8  # choices per request: each is a slot's worth of work
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class Sampling(_Body):
+    """The fields chat and text completions share."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, ge=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    seed: int | None = Field(None, ge=0)
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)
+    logit_bias: dict[str, float] | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    cache_prompt: bool = True  # llama.cpp's field: reuse the KV of an earlier request's prompt prefix
+
+    def sampling_fields(self) -> dict[str, Any]:
+        """The `SamplingParams` fields this body sets (logit_bias keys as token ids)."""
+        names = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty")
+        out = {k: getattr(self, k) for k in names if getattr(self, k) is not None}
+        if self.repetition_penalty is not None:
+            out["repetition_penalty"] = self.repetition_penalty
+        if self.logit_bias:
+            out["logit_bias"] = {int(k): v for k, v in self.logit_bias.items()}
+        return out
+
+    def stops(self) -> tuple[str, ...]:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return tuple(s for s in stop if s)
+
+
+class Message(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatRequest(Sampling):
+    messages: list[Message] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+
+class CompletionRequest(Sampling):
+    prompt: str | list[int] = Field(union_mode="left_to_right")
+    logprobs: int | None = Field(None, ge=0, le=5)
+    echo: bool = False
+
+
+class EmbeddingRequest(_Body):
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]] = Field(union_mode="left_to_right")
+    encoding_format: Literal["float", "base64"] = "float"
+
+
+class TokenizeRequest(_Body):
+    content: str
+    add_special: bool = False
+    parse_special: bool = True
+
+
+class DetokenizeRequest(_Body):
+    tokens: list[int]
