@@ -34,6 +34,7 @@ from .attention import attention as _attention
 from .dequant import dequantize_blocks
 from .layout import GROUP, PACKED_TYPES, Packed, pack, trim_heap
 from .matvec import matvec, plan, unpack
+from .rawblocks import BLOCK_TYPES
 
 __all__ = ["VEC_DOT", "NumbaBackend", "linear_types"]
 
@@ -76,6 +77,16 @@ def linear_types(quantize_activations: bool) -> frozenset[GGMLType]:
     packed ones, and with quantized activations (llamacpp numerics) only those with a vec_dot type here."""
     packed = PACKED_TYPES & VEC_DOT.keys() if quantize_activations else PACKED_TYPES
     return frozenset(FLOAT_TYPES) | packed
+
+
+# -- issue 12: the formats computed from their blocks as stored (`rawblocks.py`, family "blocks") ----------------
+_LAYER_MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def _has_block_types(w) -> bool:
+    """Whether a layer holds a weight of the "blocks" family, which the fused decode block (`layer.py`, whose
+    kernels are the nib/nib6/i8 families) cannot run: such layers take the per-linear path."""
+    return any(getattr(getattr(w, name, None), "type", None) in BLOCK_TYPES for name in _LAYER_MATRICES)
 
 
 TILE_BYTES = 4 << 20  # dense f32 tile for the BLAS path: a few MB stays in L2/L3
@@ -299,6 +310,8 @@ class NumbaBackend:
         `Model.block` on this backend; None where the layer or the numerics are outside its scope."""
         from . import layer  # imports this module
 
+        if _has_block_types(w):
+            return None
         return layer.decode_block(self, config, w, i, h, pos, cos, sin, cache)
 
     # The per-token glue, for a transformer that asks its backend (`getattr(backend, "rms_norm", ops.rms_norm)`):

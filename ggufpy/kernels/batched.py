@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import rawblocks
 from ._numba import get_threads, jit, prange, use_threads
 from .backend import FLOAT_TYPES
 from .layout import GROUP, Packed
@@ -134,6 +135,8 @@ def matvec_rows(p: Packed, xv: np.ndarray, terms: np.ndarray | None, planned=Non
     `terms=None` means exact numerics (xv = x), as in `matvec`; otherwise `activations.prepare` made xv and terms
     row by row. Rows past `p.rows` (padding of the last group) are 0."""
     out = np.empty((xv.shape[0], p.groups * GROUP), np.float32)
+    if p.family == "blocks":  # rawblocks computes every row with the same loop: bit-identical to one row alone
+        return rawblocks.matvec(p.type, p.q, xv, terms, out, threads or get_threads())
     _, args = planned or plan(p)
     exact = terms is None
     _ROWS[p.family](threads or get_threads(), *args, xv, _NO_TERMS if exact else terms, exact, out)

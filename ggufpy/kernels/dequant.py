@@ -18,9 +18,10 @@ import numpy as np
 
 from ..constants import GGMLType
 from ..errors import GGUFError
-from ..quants import floats, iqgrid, lowbit, quant_type
+from ..quants import floats, lowbit, quant_type
 from ..quants.fields import f16_field, f32_field
 from ..quants.iquants import KVALUES_IQ4NL
+from . import rawblocks
 from ._numba import jit, prange
 
 __all__ = ["DEQUANTIZERS", "F16_TO_F32", "dequantize", "dequantize_blocks"]
@@ -256,26 +257,9 @@ def _dequantize_bf16(blocks: np.ndarray, out: np.ndarray) -> None:
     out.reshape(-1).view(np.uint32)[:] = blocks.reshape(-1).view("<u2").astype(np.uint32) << 16
 
 
-@jit(parallel=True)
-def _scaled(scale, v, out):
-    """out[i, s * S + k] = scale[i, s] * v[i, s, k]: the single rounding of the `parts` formats."""
-    _, m, S = v.shape
-    for i in prange(v.shape[0]):
-        for s in range(m):
-            d = scale[i, s]
-            for k in range(S):
-                out[i, s * S + k] = d * np.float32(np.int32(v[i, s, k]))
-
-
-def _from_parts(parts):
-    """A driver for the formats split by a reference `parts` function (quants/iqgrid.py, quants/lowbit.py):
-    NumPy unpacks the grid indices, signs and scales, the kernel does the products."""
-
-    def run(blocks: np.ndarray, out: np.ndarray) -> None:
-        scale, v = parts(blocks)
-        _scaled(np.ascontiguousarray(scale), np.ascontiguousarray(v), out.reshape(v.shape[0], -1))
-
-    return run
+def _raw(ggml_type: GGMLType):
+    """A driver for the formats `rawblocks.py` decodes inside its kernels (grids looked up there)."""
+    return lambda blocks, out: rawblocks.dequantize(ggml_type, blocks, out)
 
 
 def _numpy(dequantize_blocks):
@@ -320,16 +304,16 @@ DEQUANTIZERS = {
     GGMLType.Q8_K: _scales((F32, 0))(_q8_k),
     GGMLType.IQ4_NL: _scales((F16, 0))(_iq4_nl),
     GGMLType.IQ4_XS: _scales((F16, 0))(_iq4_xs),
-    GGMLType.IQ2_XXS: _from_parts(iqgrid.parts_iq2_xxs),
-    GGMLType.IQ2_XS: _from_parts(iqgrid.parts_iq2_xs),
-    GGMLType.IQ2_S: _from_parts(iqgrid.parts_iq2_s),
-    GGMLType.IQ3_XXS: _from_parts(iqgrid.parts_iq3_xxs),
-    GGMLType.IQ3_S: _from_parts(iqgrid.parts_iq3_s),
-    GGMLType.IQ1_S: _from_parts(iqgrid.parts_iq1_s),
-    GGMLType.IQ1_M: _from_parts(iqgrid.parts_iq1_m),
-    GGMLType.TQ1_0: _from_parts(lowbit.parts_tq1_0),
-    GGMLType.TQ2_0: _from_parts(lowbit.parts_tq2_0),
-    GGMLType.MXFP4: _from_parts(lowbit.parts_mxfp4),
+    GGMLType.IQ2_XXS: _raw(GGMLType.IQ2_XXS),
+    GGMLType.IQ2_XS: _raw(GGMLType.IQ2_XS),
+    GGMLType.IQ2_S: _raw(GGMLType.IQ2_S),
+    GGMLType.IQ3_XXS: _raw(GGMLType.IQ3_XXS),
+    GGMLType.IQ3_S: _raw(GGMLType.IQ3_S),
+    GGMLType.IQ1_S: _raw(GGMLType.IQ1_S),
+    GGMLType.IQ1_M: _raw(GGMLType.IQ1_M),
+    GGMLType.TQ1_0: _raw(GGMLType.TQ1_0),
+    GGMLType.TQ2_0: _raw(GGMLType.TQ2_0),
+    GGMLType.MXFP4: _raw(GGMLType.MXFP4),
     GGMLType.I8: _numpy(floats.dequantize_i8),
     GGMLType.I16: _numpy(floats.dequantize_i16),
     GGMLType.I32: _numpy(floats.dequantize_i32),
@@ -338,8 +322,8 @@ DEQUANTIZERS = {
 """GGML type -> `run(blocks u8[n, type_size], out f32[n, block_size])`; one entry per registered type."""
 # types that `GGMLType` may not name yet (see quants/registry.py); Q1_0's reference negates, which differs from
 # the product by -1 only in the sign of a NaN
-_BY_NAME = {"NVFP4": _from_parts(lowbit.parts_nvfp4), "Q1_0": _numpy(lowbit.dequantize_q1_0)}
-DEQUANTIZERS |= {GGMLType[name]: run for name, run in _BY_NAME.items() if name in GGMLType.__members__}
+_BY_NAME = {"NVFP4": lambda: _raw(GGMLType.NVFP4), "Q1_0": lambda: _numpy(lowbit.dequantize_q1_0)}
+DEQUANTIZERS |= {GGMLType[name]: run() for name, run in _BY_NAME.items() if name in GGMLType.__members__}
 
 
 def dequantize_blocks(ggml_type: GGMLType | int, blocks: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:

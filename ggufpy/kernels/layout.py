@@ -324,7 +324,9 @@ def _pack_blocks(w: QuantTensor, release: bool) -> Packed:
         if release:
             release_pages(raw[r0:r1])
     sub = BLOCK_TYPES[w.type].sub
-    return Packed(w.type, rows, cols, "blocks", "block", sub, 0, q.reshape(G, GROUP, -1), np.zeros((G, 0, GROUP), np.uint16))
+    return Packed(
+        w.type, rows, cols, "blocks", "block", sub, 0, q.reshape(G, GROUP, -1), np.zeros((G, 0, GROUP), np.uint16)
+    )
 
 
 def _to_fp16(arrays: dict[str, np.ndarray]) -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import rawblocks
 from ._numba import get_threads, half_to_float, jit, prange, use_threads
 from .layout import GROUP, Packed
 
@@ -389,7 +390,10 @@ def _scale_args(p: Packed) -> tuple:
 
 
 def plan(p: Packed):
-    """((row kernel, pairs kernel), weight arguments) for `p`, computed once per weight."""
+    """((row kernel, pairs kernel), weight arguments) for `p`, computed once per weight. The "blocks" family
+    has its own kernels (`rawblocks.py`): (None, (q,))."""
+    if p.family == "blocks":
+        return None, (p.q,)
     return _MATVEC[p.family], (p.q, *_scale_args(p), p.zo)
 
 
@@ -400,8 +404,10 @@ def matvec(p: Packed, xv: np.ndarray, terms: np.ndarray | None, out=None, planne
     T = xv.shape[0]
     if out is None:
         out = np.empty((T, p.groups * GROUP), np.float32)
-    (row, pairs), args = planned or plan(p)
     nt = threads or get_threads()
+    if p.family == "blocks":
+        return rawblocks.matvec(p.type, p.q, xv, terms, out, nt)
+    (row, pairs), args = planned or plan(p)
     exact = terms is None
     if exact and T >= 2:
         from .activations import EXACT, prepare
@@ -419,5 +425,7 @@ def unpack(p: Packed, g0: int, g1: int, out: np.ndarray | None = None, threads: 
     product with those rows. Bit-identical to the reference dequantizer."""
     if out is None:
         out = np.empty((p.cols, (g1 - g0) * GROUP), np.float32)
+    if p.family == "blocks":
+        return rawblocks.unpack(p.type, p.q, p.cols, g0, out, threads or get_threads())
     _unpack_t(threads or get_threads(), p.q, _FAMILY[p.family], *_scale_args(p), p.zo, g0, out)
     return out
