@@ -22,6 +22,13 @@ PROMPT = [5, 17, 3, 42, 9]
 N_DECODE = 8
 
 
+@pytest.fixture(autouse=True)
+def compile_in_foreground(monkeypatch):
+    """The first decode_block call compiles the block before returning (not on a background thread), so that
+    every decode block goes through the fused call; `test_background_switch` covers the background path."""
+    monkeypatch.setattr(layer, "BACKGROUND", False)
+
+
 def plain(model):
     """`model` without the fused decode block: every block through `Model.block`."""
     model.decode_block = None
@@ -186,3 +193,34 @@ def test_gemma_falls_back(tiny_dir):
     path = write_tiny_llama(tiny_dir / "gemma3.gguf", spec)
     model = ggufpy.load(path, backend="numba", tokenizer=False)
     assert not layer.can_fuse(model.config, model.weights.layers[0], model.backend)
+
+
+def test_background_switch(tiny_dir, monkeypatch):
+    """While the block compiles in the background the layers run through `Model.block`, then through the
+    fused call: the switch in mid-decode changes no value. Readiness is scripted here (the first 6 calls say
+    "not yet"), so the test does not depend on how fast the compile is."""
+    if DISABLED:
+        pytest.skip("plain Python kernels (NUMBA_DISABLE_JIT): nothing to compile")
+    monkeypatch.setattr(layer, "BACKGROUND", True)
+    real = layer.compiled_in_background
+    asked = []
+
+    def scripted(kernel, args, wait=False):
+        asked.append(kernel)
+        return len(asked) > 6 and real(kernel, args, wait=True)
+
+    monkeypatch.setattr(layer, "compiled_in_background", scripted)
+    spec, types = CASES["Q4_0+Q8_0"]
+    path = write_tiny_llama(tiny_dir / "switch.gguf", TinyLlama(**{**vars(spec), "types": types}))
+    ref = plain(ggufpy.load(path, backend="numba", tokenizer=False))
+    calls: list[int] = []
+    fast = counted(ggufpy.load(path, backend="numba", tokenizer=False), calls)
+    la, ca = decode(ref)
+    lb, cb = decode(fast)
+    n_layers = ref.config.n_layers
+    assert 0 < len(calls) < N_DECODE * n_layers  # some decode blocks unfused, the later ones fused
+    assert calls == list(range(n_layers)) * (len(calls) // n_layers)
+    for step, (a, b) in enumerate(zip(la, lb, strict=True)):
+        assert np.array_equal(a, b), f"step {step}"
+    for i in ca.layers:
+        assert np.array_equal(ca.k[i], cb.k[i]) and np.array_equal(ca.v[i], cb.v[i])

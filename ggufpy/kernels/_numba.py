@@ -7,7 +7,10 @@ becomes `range`), which the test suite uses on small shapes.
 
 from __future__ import annotations
 
+import atexit
 import os
+import threading
+import zlib
 
 import numba
 import numpy as np
@@ -15,14 +18,18 @@ from numba import prange
 
 __all__ = [
     "DISABLED",
+    "call_native",
+    "compiled_in_background",
     "default_threads",
     "fma_f32",
     "get_threads",
     "half_to_float",
     "jit",
+    "native",
     "prange",
     "set_threads",
     "use_threads",
+    "wait_for_compiles",
 ]
 
 DISABLED = bool(numba.config.DISABLE_JIT)
@@ -121,6 +128,104 @@ def _fma_f32_intrinsic():
     return fma_f32_llvm
 
 
+def signature_key(types_) -> int:
+    """A number naming a tuple of numba argument types (their printed form), for `call_native`'s check."""
+    return zlib.crc32("|".join(str(t) for t in types_).encode()) & 0x7FFFFFFF
+
+
+def _call_native_intrinsic():
+    from llvmlite import ir
+    from numba.core import cgutils, types
+    from numba.extending import intrinsic
+
+    @intrinsic
+    def call_native(typingctx, address, key, args):
+        """Call the compiled function at `address` (from `native`) with the tuple `args`, as numba calls a
+        compiled function: the caller compiles without the callee's code (nothing to link, optimize or
+        generate again) and caches on disk, since the address is a run-time value. `key` must be the
+        `signature_key` of the types `address` was compiled for; another raises TypeError."""
+        if not isinstance(args, types.BaseTuple):
+            return None
+        argtys = tuple(args.types)
+        expected = signature_key(argtys)
+
+        def codegen(context, builder, signature, llargs):
+            address, key, packed = llargs
+            with cgutils.if_unlikely(builder, builder.icmp_signed("!=", key, ir.Constant(key.type, expected))):
+                context.call_conv.return_user_exc(
+                    builder, TypeError, ("call_native: the arguments' types differ from the compiled function's",)
+                )
+            fnty = context.call_conv.get_function_type(types.none, argtys)
+            fn = builder.inttoptr(address, fnty.as_pointer())
+            values = cgutils.unpack_tuple(builder, packed, len(argtys))
+            status, _ = context.call_conv.call_function(builder, fn, types.none, argtys, values)
+            with cgutils.if_unlikely(builder, status.is_error):
+                context.call_conv.return_status_propagate(builder, status)
+            return context.get_dummy_value()
+
+        return types.none(types.int64, types.int64, args), codegen
+
+    return call_native
+
+
+_PYTHON_FUNCTIONS: dict[int, object] = {}  # NUMBA_DISABLE_JIT: `native` addresses -> plain functions
+
+
+def native(kernel, args: tuple) -> tuple[int, int]:
+    """(address, key) of `kernel` (a `jit` function returning None) compiled for the types of `args`, for
+    `call_native`: compiled now, or loaded from the disk cache, exactly for those types."""
+    if DISABLED:
+        _PYTHON_FUNCTIONS[id(kernel)] = kernel
+        return id(kernel), 0
+    sig = tuple(numba.typeof(a) for a in args)
+    if sig not in kernel.overloads:  # (`compile` takes numba's compiler lock even when there is nothing to do)
+        kernel.compile(sig)
+    cres = kernel.overloads[sig]
+    return cres.library.get_pointer_to_function(cres.fndesc.llvm_func_name), signature_key(sig)
+
+
+_JOBS: dict[tuple, threading.Event] = {}  # (kernel, argument types) -> set once compiled (or failed)
+_JOBS_LOCK = threading.Lock()
+
+
+def _compile(kernel, sig, done: threading.Event) -> None:
+    try:
+        kernel.compile(sig)
+    except Exception:  # the caller's own call then compiles in the foreground and raises it
+        pass
+    finally:
+        done.set()
+
+
+def compiled_in_background(kernel, args: tuple, wait: bool = False) -> bool:
+    """Whether `kernel` is compiled for the types of `args`. If not, it is compiled (or loaded from the disk
+    cache) on a background thread, started once per kernel and types, and this returns False until that
+    is done (`wait`: block until then). For a caller that has an equivalent path to run meanwhile."""
+    if DISABLED:
+        return True
+    sig = tuple(numba.typeof(a) for a in args)
+    if sig in kernel.overloads:
+        return True
+    with _JOBS_LOCK:
+        done = _JOBS.get((kernel, sig))
+        if done is None:
+            done = _JOBS[kernel, sig] = threading.Event()
+            thread = threading.Thread(target=_compile, args=(kernel, sig, done), name="ggufpy-compile", daemon=True)
+            thread.start()
+    if wait:
+        done.wait()
+    return done.is_set()
+
+
+@atexit.register
+def wait_for_compiles(timeout: float | None = None) -> bool:
+    """Wait for the background compiles (at exit too, so that their code reaches the disk cache rather than
+    being compiled again by the next process); False if some are still running after `timeout` seconds."""
+    with _JOBS_LOCK:
+        pending = [done for done in _JOBS.values() if not done.is_set()]
+    return all(done.wait(timeout) for done in pending)
+
+
 def _fma_f32_python(a, b, c):
     """Exact f32 FMA in plain Python (NUMBA_DISABLE_JIT): the float64 product of two f32 values is exact;
     the float64 sum, rounded to odd with the TwoSum error, then rounds to f32 as one rounding of a*b + c."""
@@ -146,12 +251,16 @@ if DISABLED:
 
     fma_f32 = _fma_f32_python
 
+    def call_native(address, key, args):
+        return _PYTHON_FUNCTIONS[address](*args)
+
     def use_threads(n: int) -> int:
         previous = numba.get_num_threads()
         numba.set_num_threads(n)
         return previous
 
 else:
+    call_native = _call_native_intrinsic()
     _get_count, _set_count = _thread_count_intrinsics()
     _half_bits_to_float = _half_to_float_intrinsic()
 

@@ -6,15 +6,20 @@
 During decode, `Model.block` spends about a third of its time in Python between the kernels (four products,
 attention, two RMSNorms, two RoPEs, the cache write, residual adds, SiLU * up). Here one jitted function
 runs the whole block, calling the *same* compiled kernels as the separate path (the `_mv_*_row` kernel of
-each product's storage family, `nib`/`nib6`/`i8`, picked by a family code at run time), with arguments of
-the same types, in the same order:
+each product's storage family, `nib`/`nib6`/`i8`), with arguments of the same types, in the same order:
 
     _rms_norm -> _mv_*_row (stacked Q/K/V) -> _rope (q, k) -> cache write -> _attention -> _mv_*_row (o)
     -> + h -> _rms_norm -> _mv_*_row (stacked gate/up) -> _silu -> * up -> _mv_*_row (down) -> + h
 
-so the result is bit-identical to `Model.block` with the `NumbaBackend` (the tests check `np.array_equal`
-on logits and KV caches). Attention gets the whole cache arrays: the kernel only reads keys 0..pos, so
-this is the same computation as on the cache's view of positions 0..pos, without a copy.
+It calls them at their addresses (`_numba.native`, `call_native`), not as numba functions: numba would link
+each callee into the block and optimize and generate it again (13-18 s on a cold cache, for every family
+the run-time choice could pick); this way the block compiles only its glue and runs the very machine code
+`Model.block` runs, so the result is bit-identical to `Model.block` with the `NumbaBackend` (the tests check
+`np.array_equal` on logits and KV caches). The block compiles on a background thread (`BACKGROUND`); until
+it is ready `decode_block` returns None and `Model.block` computes the same values.
+
+Attention gets the whole cache arrays: the kernel only reads keys 0..pos, so this is the same computation
+as on the cache's view of positions 0..pos, without a copy.
 
 Scope (`can_fuse`): NumbaBackend with the exact numerics, packed (quantized) weights, no Q/K/V biases, no
 per-head Q/K norms, no post-norms, no softcaps, no sliding window, no Q scaling, SiLU. Everything else
@@ -23,38 +28,42 @@ per-head Q/K norms, no post-norms, no softcaps, no sliding window, no Q scaling,
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import numpy as np
 
 from .. import ops
-from ._numba import jit
+from ._numba import call_native, compiled_in_background, jit, native
 from .attention import _attention
 from .backend import FLOAT_TYPES, NumbaBackend
 from .layout import PACKED_TYPES
-from .matvec import _FAMILY, _NO_TERMS, _mv_i8_row, _mv_nib6_row, _mv_nib_row, plan
+from .matvec import _NO_TERMS, plan
 from .ops import _rms_norm, _rope, _silu
 
 __all__ = ["FusedLayer", "can_fuse", "decode_block", "fused_layer"]
 
 
-@jit
-def _row_product(family, nt, w, x, terms, exact, out):
-    """`matvec` of one activation row (`_mv_*_row`), the kernel picked by the family code at run time (a
-    module-level function rather than a closure over the kernels: numba's disk cache keys closures by their
-    cells, and a dispatcher pickles differently in every process)."""
-    if family == 0:
-        _mv_nib_row(nt, w[0], w[1], w[2], w[3], w[4], w[5], w[6], x, terms, exact, out)
-    elif family == 1:
-        _mv_nib6_row(nt, w[0], w[1], w[2], w[3], w[4], w[5], w[6], x, terms, exact, out)
-    else:
-        _mv_i8_row(nt, w[0], w[1], w[2], w[3], w[4], w[5], w[6], x, terms, exact, out)
+@jit(inline=True)
+def _product(fns, keys, slot, nt, w, x, terms, exact, out):
+    """The `_mv_*_row` kernel of weight arguments `w` (`matvec.plan`) at fns[slot]: out = x @ W.T."""
+    args = (nt, w[0], w[1], w[2], w[3], w[4], w[5], w[6], x, terms, exact, out)
+    call_native(fns[slot], keys[slot], args)
+
+
+# Compile `_block` on a background thread the first time (seconds, on a cold numba cache) and run the layers
+# through `Model.block` meanwhile: the same kernels in the same order, so the switch changes no value.
+BACKGROUND = True
+
+# slots of the kernel addresses a block calls (`FusedLayer.fns`): the products, then the glue
+QKV0, QKV1, QKV2, GU0, GU1, OUT, DOWN, ATTN, NORM, ROPE, SILU = range(11)
 
 
 @jit
 def _block(
+    fns,
+    keys,
     nt,
-    fams,
     h,
     attn_norm,
     ffn_norm,
@@ -84,24 +93,25 @@ def _block(
     scale,
     hidden,
 ):
-    """The block for one token; fams: int64 family codes of (qkv slots 0-2, gate/up slots 0-1, o, down)."""
+    """The block for one token. Each kernel is called at its address (fns[slot], keys[slot]: `native`), so
+    this function compiles without the kernels' code and they run as the very code `Model.block` calls."""
     D = h.shape[1]
     Q = n_heads * head_dim
     K = n_kv * head_dim
 
     # attention branch
     x = np.empty((1, D), np.float32)
-    _rms_norm(h, attn_norm, eps, x)
+    call_native(fns[NORM], keys[NORM], (h, attn_norm, eps, x))
     y0 = np.empty((1, s0[0].shape[0] * 64), np.float32)
-    _row_product(fams[0], nt, s0, x, terms, exact, y0)
+    _product(fns, keys, QKV0, nt, s0, x, terms, exact, y0)
     y1 = y0
     y2 = y0
     if n_qkv > 1:
         y1 = np.empty((1, s1[0].shape[0] * 64), np.float32)
-        _row_product(fams[1], nt, s1, x, terms, exact, y1)
+        _product(fns, keys, QKV1, nt, s1, x, terms, exact, y1)
     if n_qkv > 2:
         y2 = np.empty((1, s2[0].shape[0] * 64), np.float32)
-        _row_product(fams[2], nt, s2, x, terms, exact, y2)
+        _product(fns, keys, QKV2, nt, s2, x, terms, exact, y2)
     q = np.empty((1, n_heads, head_dim), np.float32)
     k = np.empty((1, n_kv, head_dim), np.float32)
     v = np.empty((1, n_kv, head_dim), np.float32)
@@ -123,41 +133,48 @@ def _block(
                 vf[c] = src[0, lo + c]
     qr = np.empty_like(q)
     kr = np.empty_like(k)
-    _rope(q, cos, sin, neox, qr)
-    _rope(k, cos, sin, neox, kr)
-    kc[pos] = kr[0]  # cache.update
-    vc[pos] = v[0]
+    call_native(fns[ROPE], keys[ROPE], (q, cos, sin, neox, qr))
+    call_native(fns[ROPE], keys[ROPE], (k, cos, sin, neox, kr))
+    # cache.update, element by element: an array assignment `kc[pos] = kr[0]` would compile numba's
+    # shape-mismatch message formatting (string joins, seconds of compile time)
+    for g in range(n_kv):
+        for e in range(head_dim):
+            kc[pos, g, e] = kr[0, g, e]
+            vc[pos, g, e] = v[0, g, e]
     attn = np.empty((1, n_heads, head_dim), np.float32)
-    _attention(nt, qr, kc, vc, pos, scale, 0, np.float32(0.0), attn)  # reads keys 0..pos only
+    window = np.int64(0)
+    softcap = np.float32(0.0)
+    # reads keys 0..pos only
+    call_native(fns[ATTN], keys[ATTN], (nt, qr, kc, vc, pos, scale, window, softcap, attn))
     yo = np.empty((1, wo[0].shape[0] * 64), np.float32)
-    _row_product(fams[5], nt, wo, attn.reshape(1, Q), terms, exact, yo)
+    _product(fns, keys, OUT, nt, wo, attn.reshape(1, Q), terms, exact, yo)
     h1 = np.empty((1, D), np.float32)
     for c in range(D):
         h1[0, c] = h[0, c] + yo[0, c]
 
     # feed-forward branch
     x2 = np.empty((1, D), np.float32)
-    _rms_norm(h1, ffn_norm, eps, x2)
+    call_native(fns[NORM], keys[NORM], (h1, ffn_norm, eps, x2))
     z0 = np.empty((1, g0[0].shape[0] * 64), np.float32)
-    _row_product(fams[3], nt, g0, x2, terms, exact, z0)
+    _product(fns, keys, GU0, nt, g0, x2, terms, exact, z0)
     z1 = z0
     if n_gu > 1:
         z1 = np.empty((1, g1[0].shape[0] * 64), np.float32)
-        _row_product(fams[4], nt, g1, x2, terms, exact, z1)
+        _product(fns, keys, GU1, nt, g1, x2, terms, exact, z1)
     gate = np.empty(hidden, np.float32)
     src = z0 if gu_map[0, 0] == 0 else z1
     lo = gu_map[0, 1]
     for c in range(hidden):
         gate[c] = src[0, lo + c]
     act = np.empty(hidden, np.float32)
-    _silu(gate, act)
+    call_native(fns[SILU], keys[SILU], (gate, act))
     src = z0 if gu_map[1, 0] == 0 else z1
     lo = gu_map[1, 1]
     prod = np.empty((1, hidden), np.float32)
     for c in range(hidden):
         prod[0, c] = act[c] * src[0, lo + c]
     yd = np.empty((1, wd[0].shape[0] * 64), np.float32)
-    _row_product(fams[6], nt, wd, prod, terms, exact, yd)
+    _product(fns, keys, DOWN, nt, wd, prod, terms, exact, yd)
     out = np.empty((1, D), np.float32)
     for c in range(D):
         out[0, c] = h1[0, c] + yd[0, c]
@@ -208,29 +225,57 @@ def can_fuse(config, w, backend) -> bool:
     )
 
 
+def _f32(ndim: int) -> np.ndarray:
+    """A sample f32 array of `ndim` dims: `native` compiles for argument types, which ignore shapes."""
+    return np.empty((1,) * ndim, np.float32)
+
+
+def _row_native(kernel, args: tuple) -> tuple[int, int]:
+    """`native` of a `_mv_*_row` kernel for weight arguments `args`, as `_product` calls it."""
+    return native(kernel, (1, *args, _f32(2), _NO_TERMS, True, _f32(2)))
+
+
+@functools.cache
+def _glue_natives() -> list[tuple[int, int]]:
+    """`native` of attention, RMSNorm, RoPE and SiLU (slots ATTN, NORM, ROPE, SILU), as `_block` calls them
+    and as `Model.block` does through `NumbaBackend` (the same argument types)."""
+    attention = (1, _f32(3), _f32(3), _f32(3), 0, np.float32(1), 0, np.float32(0), _f32(3))
+    return [
+        native(_attention, attention),
+        native(_rms_norm, (_f32(2), _f32(1), np.float32(1e-6), _f32(2))),
+        native(_rope, (_f32(3), _f32(2), _f32(2), True, _f32(3))),
+        native(_silu, (_f32(1), _f32(1))),
+    ]
+
+
+class _Unfusable(Exception):
+    """A weight whose storage family has no `_mv_*_row` kernel (e.g. "blocks": `rawblocks.py`)."""
+
+
+def _row_kernel(planned):
+    """The one-row kernel of a `matvec.plan`, for `_product`'s argument list (kernel, 7 weight arguments)."""
+    kernels, args = planned
+    if kernels is None or len(args) != 7:
+        raise _Unfusable
+    return kernels[0]
+
+
 class FusedLayer:
     """The prepared arguments of one layer on one backend (packed weights, stacks, maps) and its function."""
 
     def __init__(self, config, w, backend: NumbaBackend):
         self.w = w  # keeps the LayerWeights alive while this entry is keyed by its id
-        qkv_slots, qkv_map = self._slots(backend, (w.attn_q, w.attn_k, w.attn_v))
-        gu_slots, gu_map = self._slots(backend, (w.ffn_gate, w.ffn_up))
-        fams_qkv = [f for f, _ in qkv_slots]
-        fams_gu = [f for f, _ in gu_slots]
+        qkv_slots, self.qkv_map = self._slots(backend, (w.attn_q, w.attn_k, w.attn_v))
+        gu_slots, self.gu_map = self._slots(backend, (w.ffn_gate, w.ffn_up))
         self.n_qkv, self.n_gu = len(qkv_slots), len(gu_slots)
-        args_qkv = [a for _, a in qkv_slots]
-        args_gu = [a for _, a in gu_slots]
-        # unused slots repeat slot 0 (same types: compiled but never called)
-        while len(fams_qkv) < 3:
-            fams_qkv.append(fams_qkv[0])
-            args_qkv.append(args_qkv[0])
-        while len(fams_gu) < 2:
-            fams_gu.append(fams_gu[0])
-            args_gu.append(args_gu[0])
-        self.qkv_map, self.gu_map = qkv_map, gu_map
-        self.qkv_args, self.gu_args = tuple(args_qkv), tuple(args_gu)
-        fo, self.wo = self._single(backend, w.attn_output)
-        fd, self.wd = self._single(backend, w.ffn_down)
+        # unused slots repeat slot 0 (never called)
+        qkv_slots += [qkv_slots[0]] * (3 - len(qkv_slots))
+        gu_slots += [gu_slots[0]] * (2 - len(gu_slots))
+        self.qkv_args = tuple(args for _, args in qkv_slots)
+        self.gu_args = tuple(args for _, args in gu_slots)
+        out_slot = self._single(backend, w.attn_output)
+        down_slot = self._single(backend, w.ffn_down)
+        self.wo, self.wd = out_slot[1], down_slot[1]
         self.o_rows = w.attn_output.shape[0]
         self.attn_norm = np.ascontiguousarray(w.attn_norm, np.float32)
         self.ffn_norm = np.ascontiguousarray(w.ffn_norm, np.float32)
@@ -239,20 +284,27 @@ class FusedLayer:
         self.n_heads, self.n_kv, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
         self.hidden = w.ffn_gate.shape[0]
         self.scale = np.float32(np.float32(1.0) / np.sqrt(np.float32(config.head_dim)))  # as Model.block
-        self.families = np.array([_FAMILY[f] for f in (*fams_qkv, *fams_gu, fo, fd)], np.int64)
+        # the kernels' addresses in slot order (QKV0..DOWN, then ATTN, NORM, ROPE, SILU), compiled (or loaded
+        # from the disk cache) for the very argument types `_block` passes
+        natives = [_row_native(kernel, args) for kernel, args in (*qkv_slots, *gu_slots, out_slot, down_slot)]
+        natives += _glue_natives()
+        self.fns = np.array([address for address, _ in natives], np.int64)
+        self.keys = np.array([key for _, key in natives], np.int64)
+        self.ready = False  # whether `_block` is compiled for this layer's argument types
 
     @staticmethod
     def _single(backend: NumbaBackend, w):
+        """(row kernel, weight arguments) of one product (`matvec.plan`)."""
         p = backend.packed(w)
         planned = backend._plans.get(w)
         if planned is None:
             planned = backend._plans[w] = plan(p)
-        return p.family, planned[1]
+        return _row_kernel(planned), planned[1]
 
     @staticmethod
     def _slots(backend: NumbaBackend, ws):
-        """[(family, weight arguments)] per product and (len(ws), 2) int64 [slot, first column] per weight,
-        from the same stacks `NumbaBackend.linears` uses (made here if it has not made them yet)."""
+        """[(row kernel, weight arguments)] per product and (len(ws), 2) int64 [slot, first column] per
+        weight, from the same stacks `NumbaBackend.linears` uses (made here if it has not made them yet)."""
         groups = backend._stacks.get(ws)
         if groups is None:
             groups = backend._stacks[ws] = backend._stack_groups(ws)
@@ -263,17 +315,19 @@ class FusedLayer:
                 slots.append(FusedLayer._single(backend, ws[i]))
                 where[i] = (len(slots) - 1, 0)
                 continue
-            p, planned, spans = stack
-            slots.append((p.family, planned[1]))
+            _p, planned, spans = stack
+            slots.append((_row_kernel(planned), planned[1]))
             for i, (lo, _rows) in zip(members, spans, strict=True):
                 where[i] = (len(slots) - 1, lo)
         return slots, where
 
-    def __call__(self, backend: NumbaBackend, h: np.ndarray, pos: int, cos, sin, kc, vc) -> np.ndarray:
+    def __call__(self, backend: NumbaBackend, h: np.ndarray, pos: int, cos, sin, kc, vc) -> np.ndarray | None:
+        """The block's output, or None while `_block` is still compiling for these argument types."""
         nt = backend._threads_for(self.hidden * self.o_rows)  # one count for the whole call
-        return _block(
+        args = (
+            self.fns,
+            self.keys,
             nt,
-            self.families,
             h,
             self.attn_norm,
             self.ffn_norm,
@@ -300,6 +354,11 @@ class FusedLayer:
             self.scale,
             self.hidden,
         )
+        if not self.ready:
+            self.ready = compiled_in_background(_block, args, wait=not BACKGROUND)
+            if not self.ready:
+                return None
+        return _block(*args)
 
 
 _LAYERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # backend -> {id(LayerWeights): FusedLayer|None}
@@ -313,7 +372,12 @@ def fused_layer(backend, config, w) -> FusedLayer | None:
         return None
     entry = per_backend.get(id(w))
     if entry is None or (entry is not False and entry.w is not w):
-        entry = FusedLayer(config, w, backend) if can_fuse(config, w, backend) else False
+        entry = False
+        if can_fuse(config, w, backend):
+            try:
+                entry = FusedLayer(config, w, backend)
+            except _Unfusable:
+                pass
         per_backend[id(w)] = entry
     return entry or None
 
