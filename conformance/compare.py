@@ -26,6 +26,12 @@ FLOAT_TYPES = {"F32", "F16", "BF16"}
 MODES = ("exact", "llamacpp")
 
 
+def mode_family(mode: str) -> str:
+    """ "exact", or "llamacpp" for the replay of any llama.cpp build ("llamacpp", "llamacpp-avx2"): the
+    thresholds are per family."""
+    return "llamacpp" if mode.startswith("llamacpp") else mode
+
+
 # -- metrics -------------------------------------------------------------------------------------------------
 
 
@@ -283,7 +289,7 @@ class Threshold:
 
     def applies(self, mode: str, is_float: bool) -> bool:
         weights_ok = self.weights == "every" or (self.weights == "float") == is_float
-        return self.mode in ("both", mode) and weights_ok
+        return self.mode in ("both", mode_family(mode)) and weights_ok
 
     @property
     def what(self) -> str:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -79,6 +80,10 @@ class TinyLlama:
     sliding_window: int | None = None  # attention.sliding_window (gemma2/3: the local layers' window)
     attn_softcap: float | None = None  # attn_logit_softcapping (gemma2)
     final_softcap: float | None = None  # final_logit_softcapping (gemma2)
+    # more `{arch}.` keys, by the name after the prefix: float -> FLOAT32, int -> UINT32, str -> STRING, bool ->
+    # BOOL (RoPE scaling, granite's multipliers)
+    extra_kv: tuple[tuple[str, float | int | str], ...] = ()
+    rope_factors: bool = False  # LongRoPE's rope_factors_short / rope_factors_long (phi3)
 
     @property
     def head_dim(self) -> int:
@@ -93,19 +98,29 @@ def _tokens() -> tuple[list[str], list[int]]:
     return tokens, [int(t) for t in types]
 
 
+# spec class -> writer, for the fixtures whose tensors differ from the llama block's (fixtures_moe.py,
+# fixtures_hybrid.py, fixtures_llama4.py register theirs; conformance/__init__.py imports them all)
+WRITERS: dict[type, Callable[[str | Path, TinyLlama], Path]] = {}
+
+
 def write_tiny_llama(path: str | Path, spec: TinyLlama = TinyLlama()) -> Path:
     """Write the model to `path` and return it."""
+    writer = WRITERS.get(type(spec))  # experts, hybrid layers, llama4: the other fixture modules' own tensors
+    if writer is not None:
+        return writer(path, spec)
     path = Path(path)
     rng = np.random.default_rng(spec.seed)
     tokens, token_types = _tokens()
     V, D, F, E = len(tokens), spec.dim, spec.hidden_dim, spec.head_dim
     Q, K = spec.n_heads * spec.head_dim, spec.n_kv_heads * spec.head_dim
     a = arch_spec(spec.arch)
-    if a.name.startswith("gemma") and not spec.tied_output:
+    if (a.name.startswith("gemma") or a.name == "cohere2") and not spec.tied_output:
         raise ValueError(f"{a.name}: llama.cpp always ties the output head to token_embd")
 
     w = gguf.GGUFWriter(str(path), a.name)
-    w.add_name(f"tiny-{a.name}-synthetic")
+    # llama-vocab.cpp sets token attributes of "</s>", "<unk>", "<s>" for models *named* phi3 or phi-3, which this
+    # vocabulary lacks (std::out_of_range): the phi3 fixture is named "tiny-phi-synthetic"
+    w.add_name(f"tiny-{a.name.replace('phi3', 'phi')}-synthetic")
     w.add_context_length(spec.context_length)
     w.add_embedding_length(D)
     w.add_block_count(spec.n_layers)
@@ -124,6 +139,9 @@ def write_tiny_llama(path: str | Path, spec: TinyLlama = TinyLlama()) -> Path:
         w.add_attn_logit_softcapping(spec.attn_softcap)
     if spec.final_softcap is not None:
         w.add_final_logit_softcapping(spec.final_softcap)
+    for k, value in spec.extra_kv:
+        add_kv = {float: w.add_float32, int: w.add_uint32, str: w.add_string, bool: w.add_bool}[type(value)]
+        add_kv(f"{a.name}.{k}", value)
     w.add_vocab_size(V)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
@@ -157,20 +175,25 @@ def write_tiny_llama(path: str | Path, spec: TinyLlama = TinyLlama()) -> Path:
     add("token_embd.weight", (V, D), "embd", scale=(head_scale if spec.tied_output else None) or 1.0)
     for i in range(spec.n_layers):
         p = f"blk.{i}."
-        add(p + "attn_norm.weight", (D,), None)
-        for proj, rows in (("q", Q), ("k", K), ("v", K)):
+        if a.pre_norms:
+            add(p + "attn_norm.weight", (D,), None)
+        if a.fused_qkv:
+            add(p + "attn_qkv.weight", (Q + 2 * K, D), "attn")
+        for proj, rows in (("q", Q), ("k", K), ("v", K)) if not a.fused_qkv else ():
             add(p + f"attn_{proj}.weight", (rows, D), "attn")
             if a.qkv_bias:
                 add(p + f"attn_{proj}.bias", (rows,), "bias")
         if a.qk_norm:
-            add(p + "attn_q_norm.weight", (E,), None)
-            add(p + "attn_k_norm.weight", (E,), None)
+            add(p + "attn_q_norm.weight", (Q if a.qk_norm_span == "all" else E,), None)
+            add(p + "attn_k_norm.weight", (K if a.qk_norm_span == "all" else E,), None)
         add(p + "attn_output.weight", (D, Q), "attn")
         if a.post_norms:
             add(p + "post_attention_norm.weight", (D,), None)
-        add(p + "ffn_norm.weight", (D,), None)
-        add(p + "ffn_gate.weight", (F, D), "ffn")
-        add(p + "ffn_up.weight", (F, D), "ffn")
+        if a.pre_norms and not a.parallel:
+            add(p + "ffn_norm.weight", (D,), None)
+        if not a.fused_gate_up:
+            add(p + "ffn_gate.weight", (F, D), "ffn")
+        add(p + "ffn_up.weight", (2 * F if a.fused_gate_up else F, D), "ffn")
         add(p + "ffn_down.weight", (D, F), "ffn")
         if a.post_norms:
             add(p + "post_ffw_norm.weight", (D,), None)
@@ -179,6 +202,9 @@ def write_tiny_llama(path: str | Path, spec: TinyLlama = TinyLlama()) -> Path:
         add("output.weight", (V, D), "output", scale=head_scale)
     if spec.rope_freqs:
         w.add_tensor("rope_freqs.weight", (1.0 + rng.random(spec.head_dim // 2) * 3).astype(np.float32))
+    if spec.rope_factors:  # LongRoPE: short factors near 1, long ones up to 4
+        w.add_tensor("rope_factors_short.weight", (1.0 + rng.random(spec.head_dim // 2) * 0.2).astype(np.float32))
+        w.add_tensor("rope_factors_long.weight", (1.0 + rng.random(spec.head_dim // 2) * 3).astype(np.float32))
 
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -188,7 +214,12 @@ def write_tiny_llama(path: str | Path, spec: TinyLlama = TinyLlama()) -> Path:
 
 
 def _quantize(data: np.ndarray, qtype: GGMLType) -> np.ndarray:
-    """ggufpy's reference quantizer, or ggml's C quantizer for the types ggufpy cannot quantize."""
+    """ggufpy's quantizers (what `ggml_quantize_chunk` writes, which for IQ4_NL/IQ4_XS is not their `_ref`
+    function), or ggml's C quantizer for the types ggufpy cannot quantize."""
+    from ggufpy.quants.rowquantizers import ROW_QUANTIZERS, quantize_rows
+
+    if qtype in ROW_QUANTIZERS:
+        return quantize_rows(data, qtype)
     if quant_type(qtype).quantize_blocks is not None:
         return quantize(data, qtype)
     from .llamacpp import available, ggml_quantize
@@ -227,6 +258,48 @@ ARCH_FIXTURES: dict[str, TinyLlama] = {
         _ARCH, arch="gemma2", seed=403, key_length=24, sliding_window=32, attn_softcap=5.0, final_softcap=8.0
     ),
     "gemma3": replace(_ARCH, arch="gemma3", seed=404, n_layers=6, sliding_window=32, rope_theta=1e6),
+    # issue 13. mistral3 with YaRN x4 over an original context of 64 (its ramp spans pairs 0-3 of 8 at head size
+    # 16) and temperature tuning (Q scaled from position 64 on); smollm3 with 4 layers, the last one NoPE;
+    # granite with all four multipliers; olmo2's post-norms and whole-row Q/K norms; phi3's fused QKV and
+    # gate-up, LongRoPE's long factors (the original context, 64, is shorter than the prompt and than both runs'
+    # contexts) and attention factor; cohere2's parallel block with LayerNorm, 3 local RoPE layers then a global
+    # NoPE one, window 32, logits times 0.5; exaone, the llama block with neox RoPE
+    "mistral3": replace(
+        _ARCH,
+        arch="mistral3",
+        seed=405,
+        context_length=16384,
+        extra_kv=(
+            ("rope.scaling.type", "yarn"),
+            ("rope.scaling.factor", 4.0),
+            ("rope.scaling.original_context_length", 64),
+            ("attention.temperature_scale", 0.5),
+        ),
+    ),
+    "smollm3": replace(_ARCH, arch="smollm3", seed=406, n_layers=4, rope_theta=5e6),
+    "granite": replace(
+        _ARCH,
+        arch="granite",
+        seed=407,
+        extra_kv=(("embedding_scale", 12.0), ("attention.scale", 0.2), ("residual_scale", 0.22), ("logit_scale", 2.0)),
+    ),
+    "cohere2": replace(
+        _ARCH,
+        arch="cohere2",
+        seed=411,
+        n_layers=4,
+        sliding_window=32,
+        extra_kv=(("logit_scale", 0.5), ("attention.layer_norm_epsilon", 1e-5)),
+    ),
+    "exaone": replace(_ARCH, arch="exaone", seed=410, rope_theta=1e6, tied_output=False),
+    "olmo2": replace(_ARCH, arch="olmo2", seed=408, rope_theta=5e5, tied_output=False),  # llama.cpp needs `output`
+    "phi3": replace(
+        _ARCH,
+        arch="phi3",
+        seed=409,
+        rope_factors=True,
+        extra_kv=(("rope.scaling.attn_factor", 1.19), ("rope.scaling.original_context_length", 64)),
+    ),
 }
 
 
@@ -235,7 +308,7 @@ def _uniform(t: GGMLType) -> dict[str, GGMLType]:
 
 
 def _pure(t: GGMLType, seed: int) -> TinyLlama:
-    base = {1: FLOAT, 32: SMALL, 256: WIDE}[quant_type(t).block_size]
+    base = {1: FLOAT, 32: SMALL, 64: SMALL, 128: WIDE, 256: WIDE}[quant_type(t).block_size]
     return replace(base, types=_uniform(t), seed=seed)
 
 
@@ -246,6 +319,11 @@ def _pure(t: GGMLType, seed: int) -> TinyLlama:
 FIXTURES: dict[str, TinyLlama] = {
     **{t.name.lower(): _pure(t, seed=100 + int(t)) for t in (T.F32, T.F16, T.BF16)},
     **{t.name.lower(): _pure(t, seed=100 + int(t)) for t in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.IQ4_NL)},
+    # issue 12 types (goldens recorded on AVX2)
+    **{t.name.lower(): _pure(t, seed=100 + int(t)) for t in (T.MXFP4, T.NVFP4, T.Q1_0, T.TQ1_0, T.TQ2_0)},
+    # the grid types: ggml quantizes IQ2_XXS, IQ2_XS and IQ1_S with an importance matrix of ones
+    **{t.name.lower(): _pure(t, seed=100 + int(t)) for t in (T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S)},
+    **{t.name.lower(): _pure(t, seed=100 + int(t)) for t in (T.IQ1_S, T.IQ1_M)},
     **{t.name.lower(): _pure(t, seed=100 + int(t)) for t in (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS)},
     "q4_k_m": replace(
         WIDE,

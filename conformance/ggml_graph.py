@@ -88,14 +88,14 @@ def ggml_graph_matmul(
     `x_f32` (T, in): y f32 (T, out), computed by a one-node ggml graph (`ggml_graph_compute_with_ctx`).
 
     The activations go in as f32 and ggml converts them itself (from_float of the vec_dot type). With
-    `repack` the weight is stored through the CPU_REPACK buffer type (only Q4_0 / IQ4_NL with out % 8 == 0
-    have a repacked layout on x86; ggml would crash on others, so they are refused here)."""
+    `repack` the weight is stored through the CPU_REPACK buffer type (only Q4_0 / IQ4_NL / MXFP4 with out % 8 == 0
+    have a repacked layout on AVX2; ggml would crash on others, so they are refused here)."""
     base, cpu, repack_buft = _ggml()
     w_bytes = np.ascontiguousarray(w_bytes, np.uint8)
     x = np.ascontiguousarray(x_f32, np.float32)
     T, n = x.shape
     out = w_bytes.shape[0]
-    if repack and not repack_q8_0.is_repacked(w_type, out):
+    if repack and not (repack_q8_0.is_repacked(w_type, out) or (w_type == GGMLType.MXFP4 and out % 8 == 0)):
         raise ValueError(f"llama.cpp does not repack a {GGMLType(w_type).name} weight of {out} rows on x86")
     overhead = base.ggml_graph_overhead() + 8 * base.ggml_tensor_overhead() + (1 << 20)
     # weight, f32 input and output, and the work buffer of compute_with_ctx: the converted activations and,

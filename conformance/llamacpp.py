@@ -149,6 +149,14 @@ def versions() -> dict[str, str]:
     }
 
 
+def host_isa() -> str:
+    """The x86 build (`ggufpy.quants.x86.simd.ISAS`) the installed llama.cpp was compiled for: which replay
+    its live results are compared with."""
+    from ggufpy.quants.x86.simd import isa_of
+
+    return isa_of(versions()["system_info"])
+
+
 class LlamaCpp:
     """One llama.cpp model and context, configured with `settings`. Use as a context manager."""
 
@@ -305,8 +313,9 @@ def _load(name: str):
 
 
 def ggml_quantize(x: np.ndarray, ggml_type: GGMLType) -> np.ndarray:
-    """Quantize rows of f32 with ggml's own quantizer (`ggml_quantize_chunk`, no importance matrix): the
-    code `llama-quantize` runs. Returns u8 (..., row_bytes)."""
+    """Quantize rows of f32 with ggml's own quantizer (`ggml_quantize_chunk`): the code `llama-quantize` runs.
+    No importance matrix, except for the types ggml refuses to quantize without one
+    (`ggml_quantize_requires_imatrix`: IQ2_XXS, IQ2_XS, IQ1_S), which get one of ones. Returns u8 (..., row_bytes)."""
     from ggufpy.quants import quant_type
 
     lib = _ggml_base()
@@ -319,7 +328,20 @@ def ggml_quantize(x: np.ndarray, ggml_type: GGMLType) -> np.ndarray:
     n_per_row = x.shape[-1]
     nrows = x.size // n_per_row
     out = np.zeros((nrows, qt.row_bytes(n_per_row)), np.uint8)
-    written = fn(int(ggml_type), x.ctypes.data, out.ctypes.data, 0, nrows, n_per_row, None)
+    lib.ggml_quantize_requires_imatrix.argtypes, lib.ggml_quantize_requires_imatrix.restype = (
+        [ctypes.c_int],
+        ctypes.c_bool,
+    )
+    imatrix = np.ones(n_per_row, np.float32) if lib.ggml_quantize_requires_imatrix(int(ggml_type)) else None
+    written = fn(
+        int(ggml_type),
+        x.ctypes.data,
+        out.ctypes.data,
+        0,
+        nrows,
+        n_per_row,
+        None if imatrix is None else imatrix.ctypes.data,
+    )
     if written != out.nbytes:
         raise RuntimeError(f"ggml_quantize_chunk wrote {written} bytes for {qt.name}, expected {out.nbytes}")
     return out.reshape(*x.shape[:-1], out.shape[-1])

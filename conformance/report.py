@@ -47,11 +47,14 @@ def evaluate(name: str, modes=MODES, continuation: bool = True, backend: str = "
     """Report rows for one golden: one per numerics mode, computed by `backend` (default: the NumPy
     reference; "numba" checks the kernels against the same goldens)."""
     import ggufpy
+    from ggufpy.numerics import llamacpp_mode
 
     ref = Reference.load(name)
     path = model_path(ref)
     rows = []
     for mode in modes:
+        if mode == "llamacpp":  # the replay of the build the golden was recorded on (AVX-512 or AVX2)
+            mode = llamacpp_mode(ref.meta["llama_cpp"]["system_info"])
         t0 = time.perf_counter()
         model = ggufpy.load(path, backend=backend, tokenizer=False, numerics=mode)
         row = {"model": name, "types": ref.meta["types"], "mode": mode, **compare(model, ref, continuation)}

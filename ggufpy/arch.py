@@ -14,6 +14,34 @@ from .errors import GGUFUnsupportedError
 
 
 @dataclass(frozen=True)
+class MoE:
+    """How an architecture's mixture-of-experts feed-forward routes and mixes (the arguments its graph passes to
+    llama.cpp's `build_moe_ffn`, src/llama-graph.cpp); the math is `ggufpy.moe`."""
+
+    # router probabilities from the logits: "softmax" over all experts (qwen*moe), or "softmax_weight": the
+    # logits as they are for the choice, a softmax over the chosen ones for their weights (gpt-oss), or "sigmoid":
+    # chosen on the logits, weighted by their sigmoid (llama4: build_moe_ffn's `selection_probs = logits`)
+    gating: Literal["softmax", "softmax_weight", "sigmoid"] = "softmax"
+    # the weights multiply each chosen expert's input instead of its output (llama4: `weight_before_ffn`)
+    weights_on_input: bool = False
+    norm_weights: bool = False  # the chosen experts' weights divided by their sum (`norm_w`: qwen3moe)
+    # a dense ffn_{gate,up,down}_shexp beside the routed experts: "required" (qwen2moe; its width defaults to
+    # feed_forward_length), or "optional": present when expert_shared_feed_forward_length > 0 (granitemoe), or
+    # "expert_width": always there, as wide as a routed expert (llama4: n_ff_shexp = n_ff_exp)
+    shared_expert: Literal["none", "required", "optional", "expert_width"] = "none"
+    # the shared expert's output times sigmoid(x . ffn_gate_inp_shexp), computed as llama.cpp's graph writes it:
+    # "silu_div" ggml_div(ggml_silu(g), g) (qwen2moe), "sigmoid" ggml_sigmoid(g) (qwen35moe, qwen3next)
+    shared_gate: Literal["silu_div", "sigmoid"] | None = None
+    # the experts' width: expert_feed_forward_length (default feed_forward_length / expert_used_count), or, with
+    # False, feed_forward_length itself, the other key unread (granitemoe)
+    expert_width_key: bool = True
+    biases: bool = False  # a bias on the router's logits and on each expert's gate, up and down (gpt-oss)
+    # the experts' gated unit: act(gate) * up, or gpt-oss's clamped `swiglu_oai` (ggml_swiglu_oai, alpha 1.702,
+    # limit 7: min(gate, 7) * sigmoid(1.702 min(gate, 7)) * (clamp(up, -7, 7) + 1))
+    glu: Literal["swiglu", "swiglu_oai"] = "swiglu"
+
+
+@dataclass(frozen=True)
 class ArchSpec:
     """What distinguishes one decoder-only architecture from the plain Llama block."""
 
@@ -38,6 +66,64 @@ class ArchSpec:
     # Softcaps read from metadata when the architecture has them (gemma2 only; gemma3 with SWA has none).
     softcaps: bool = False
 
+    # -- steps the fused numba decode block (ggufpy/kernels/layer.py) does not know: see `fused_block` ---------
+    pre_norms: bool = True  # attn_norm / ffn_norm before each branch; olmo2 has only the post-norms
+    # "head": attn_q_norm/attn_k_norm (E,) over each head; "all": (Q,) and (K,) over all heads at once (olmo2)
+    qk_norm_span: Literal["head", "all"] = "head"
+    nope_step: int = 0  # layers with (il + 1) % nope_step == 0 skip RoPE (smollm3: 4, a literal in llama.cpp)
+    # granite's scalars from metadata: embedding_scale (embeddings), attention.scale (the KQ scale),
+    # residual_scale (each branch before its residual add), logit_scale (logits divided by it)
+    multipliers: bool = False
+    # granite: `rope.scaling.finetuned` false turns RoPE off on every layer (llama.cpp's granite loader reads it as
+    # the RoPE switch, default true)
+    rope_switch: bool = False
+    # one attn_qkv (Q+2K, D) product split into Q, K, V when the file has it (phi3; separate ones otherwise).
+    # phi3's attention.sliding_window needs no field: llama.cpp reads it and disables SWA (swa_pattern 0)
+    fused_qkv: bool = False
+    fused_gate_up: bool = False  # one ffn_up (2F, D) product: gate rows first, then up (phi3, LLM_FFN_SWIGLU)
+    # LongRoPE: `rope_factors_short` / `rope_factors_long` divide the frequencies, long ones past the original
+    # context (phi3; llama.cpp `get_rope_factors`)
+    longrope: bool = False
+    # attention temperature tuning: Q times 1 + attention.temperature_scale * ln(1 + floor(pos / n)), n the
+    # original context (llama.cpp `llm_graph_input_attn_temp`; mistral3 when the file has the scale)
+    attn_temperature: bool = False
+    norm: Literal["rms", "layer"] = "rms"  # "layer": LayerNorm without bias, eps from attention.layer_norm_epsilon
+    # parallel block (cohere2): attention and feed-forward both read attn_norm(h); h + ffn + attention
+    parallel: bool = False
+    rope_local_only: bool = False  # RoPE on the sliding-window layers only, the global ones NoPE (cohere2)
+    # `{arch}.logit_scale`: the logits divided by it (granite) or multiplied by it (cohere2)
+    logit_scale: Literal["none", "divide", "multiply"] = "none"
+    moe: MoE | None = None  # the feed-forward is a mixture of experts (ffn_gate_inp + ffn_*_exps): `ggufpy.moe`
+    # "hybrid": Gated DeltaNet layers beside gated attention layers, a `HybridState` per sequence (`ggufpy.hybrid`)
+    mixer: Literal["attention", "hybrid"] = "attention"
+    # llama4 (src/models/llama4.cpp): the MoE feed-forward on every `interleave_moe_layer_step`-th layer, dense
+    # elsewhere; the `swa_pattern` local layers are chunked (a query sees its own chunk of `CHUNK_SIZE` positions),
+    # the global ones NoPE with the temperature; Q and K RMS-normed without weight after RoPE (Llama4TextL2Norm)
+    moe_interleave: bool = False
+    chunked: bool = False
+    qk_l2_norm: bool = False
+    attn_temperature_nope_only: bool = False  # Q's temperature on the NoPE layers only (llama4)
+    # gpt-oss (src/models/openai-moe-iswa.cpp): `attn_sinks` (H,), one logit per head in each softmax's max and
+    # sum only (`ggml_soft_max_add_sinks`); an attn_output bias; the FFN's pre-norm stored as post_attention_norm
+    attn_sinks: bool = False
+    attn_output_bias: bool = False
+    ffn_norm_name: str = "ffn_norm"
+
+    def fused_block(self) -> bool:
+        """Whether this architecture's block is the one `kernels.layer.decode_block` computes, as far as the
+        architecture decides (`ModelConfig.fused_block` adds the per-layer conditions, the kernel checks the
+        weights, numerics and window itself)."""
+        plain = ArchSpec(self.name)
+        return all(getattr(self, f) == getattr(plain, f) for f in _UNFUSED_FIELDS)
+
+
+# fields added after the fused decode block was written: a non-default value sends the block to `Model.block`
+# (nope_step only on its RoPE-less layers: `ModelConfig.fused_block`)
+_UNFUSED_FIELDS = (
+    "pre_norms", "qk_norm_span", "multipliers", "fused_qkv", "fused_gate_up", "longrope", "moe", "mixer", "norm",
+    "parallel", "chunked", "qk_l2_norm", "attn_sinks", "attn_output_bias", "ffn_norm_name",
+)  # fmt: skip
+
 
 ARCHITECTURES: dict[str, ArchSpec] = {
     spec.name: spec
@@ -46,6 +132,21 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         ArchSpec("llama"),
         ArchSpec("qwen2", rope_style="neox", qkv_bias=True),
         ArchSpec("qwen3", rope_style="neox", qk_norm=True),
+        ArchSpec("qwen35", rope_style="neox", qk_norm=True, mixer="hybrid"),  # Qwen3.5 / 3.6 dense
+        ArchSpec(  # Qwen3.5 / 3.6 MoE (35B-A3B, ...): qwen35's mixers, qwen2moe's feed-forward with qwen3moe's norm_w
+            "qwen35moe",
+            rope_style="neox",
+            qk_norm=True,
+            mixer="hybrid",
+            moe=MoE(norm_weights=True, shared_expert="required", shared_gate="sigmoid"),
+        ),
+        ArchSpec(  # Qwen3-Next-80B-A3B: qwen35moe's blocks with NeoX RoPE and one ssm_ba product
+            "qwen3next",
+            rope_style="neox",
+            qk_norm=True,
+            mixer="hybrid",
+            moe=MoE(norm_weights=True, shared_expert="required", shared_gate="sigmoid"),
+        ),
         ArchSpec("gemma", rope_style="neox", activation="gelu_tanh", embed_scale=True, scale_q=True),
         ArchSpec(
             "gemma2",
@@ -67,6 +168,69 @@ ARCHITECTURES: dict[str, ArchSpec] = {
             qk_norm=True,
             swa_pattern=6,
             rope_theta_swa=10000.0,
+        ),
+        # Mistral Small 3 / Ministral: the llama block, often with YaRN scaling (rope.scaling.type "yarn")
+        ArchSpec("mistral3", attn_temperature=True),
+        ArchSpec("smollm3", nope_step=4),
+        ArchSpec(  # Llama 4 Scout / Maverick: 3 chunked RoPE layers then a global NoPE one
+            "llama4",
+            swa_pattern=4,
+            nope_step=4,
+            moe=MoE(gating="sigmoid", weights_on_input=True, shared_expert="expert_width"),
+            moe_interleave=True,
+            chunked=True,
+            qk_l2_norm=True,
+            attn_temperature=True,
+            attn_temperature_nope_only=True,
+        ),
+        ArchSpec("granite", multipliers=True, logit_scale="divide", rope_switch=True),
+        ArchSpec(
+            "olmo2",
+            rope_style="neox",
+            pre_norms=False,
+            post_norms=True,
+            qk_norm=True,
+            qk_norm_span="all",
+            tied_output=False,
+        ),
+        ArchSpec("exaone", rope_style="neox"),  # EXAONE 3.x: the llama block with neox RoPE
+        # Command R7B: parallel block, LayerNorm, 3 sliding-window layers with RoPE then a global NoPE one
+        ArchSpec("cohere2", norm="layer", parallel=True, swa_pattern=4, rope_local_only=True, logit_scale="multiply"),
+        ArchSpec(
+            "phi3",
+            rope_style="neox",
+            scale_q=True,
+            fused_qkv=True,
+            fused_gate_up=True,
+            longrope=True,
+        ),
+        # mixture of experts (`ggufpy.moe`): qwen3 / qwen2 blocks whose feed-forward routes each token
+        ArchSpec("qwen3moe", rope_style="neox", qk_norm=True, moe=MoE(norm_weights=True)),
+        ArchSpec(
+            "qwen2moe",
+            rope_style="neox",
+            qkv_bias=True,
+            tied_output=False,
+            moe=MoE(shared_expert="required", shared_gate="silu_div"),
+        ),
+        ArchSpec(
+            "granitemoe",
+            multipliers=True,
+            logit_scale="divide",
+            moe=MoE(norm_weights=True, shared_expert="optional", expert_width_key=False),
+        ),
+        # gpt-oss 20b / 120b: alternating sliding-window and full layers (set_swa_pattern(2)), YaRN from the
+        # metadata, Q/K/V/output biases, sinks, and a MoE whose softmax runs over the chosen experts only
+        ArchSpec(
+            "gpt-oss",
+            rope_style="neox",
+            qkv_bias=True,
+            tied_output=False,
+            swa_pattern=2,
+            attn_sinks=True,
+            attn_output_bias=True,
+            ffn_norm_name="post_attention_norm",
+            moe=MoE(gating="softmax_weight", biases=True, glu="swiglu_oai"),
         ),
     ]
 }

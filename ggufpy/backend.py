@@ -100,7 +100,7 @@ class NumpyBackend:
     def _linear(self, x: np.ndarray, w: QuantTensor) -> np.ndarray:
         if self.numerics.quantize_activations:  # llama.cpp's CPU matmul: activations in the vec_dot type
             if self.numerics.x86_kernels:  # ... and its kernels' f32 operations, straight from the blocks
-                return vecdot.linear_x86(x, w.raw, w.type, w.shape)
+                return vecdot.linear_x86(x, w.raw, w.type, w.shape, isa=self.numerics.x86_isa)
             return vecdot.linear(x, self._cached(w, "split", lambda: vecdot.split_weight(w.raw, w.type, w.shape)))
         hit = self._cache.get((w, "dense"))
         if hit is None and self._used + 4 * int(np.prod(w.shape)) <= self.cache_bytes:

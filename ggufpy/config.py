@@ -10,9 +10,76 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from . import schema
 from .arch import ArchSpec, arch_spec
+from .deltanet import DeltaNetConfig, deltanet_config
 from .errors import GGUFMetadataError
+from .numerics import logf
+from .ops import RopeExt, yarn_corr_dims
+
+_FINITE = schema.Rule("a finite number", lambda v: bool(np.isfinite(np.float32(v))))
+_NON_NEGATIVE = schema.Rule("finite and >= 0 in float32", lambda v: bool(np.isfinite(np.float32(v)) and v >= 0))
+# Keys of the RoPE scalings and of granite's multipliers (llama.cpp `llama_model::load_hparams`, the arch
+# loaders): ModelConfig field -> key, checked like `schema.MODEL_KEYS`. Defaults are llama.cpp's hparams defaults;
+# a negative YaRN ext_factor means "from the scaling type" (1 for yarn, 0 otherwise), as in llama-context.cpp.
+_R = "{arch}.rope.scaling."
+SCALING_KEYS: dict[str, schema.Key] = {
+    "orig_ctx": schema.Key(_R + "original_context_length", "integer", schema.SIZE),
+    "rope_attn_factor": schema.Key(_R + "attn_factor", "number", schema.POSITIVE_F32, default=1.0),
+    "ext_factor": schema.Key(_R + "yarn_ext_factor", "number", _FINITE, default=-1.0),
+    "yarn_attn_factor": schema.Key(_R + "yarn_attn_factor", "number", schema.POSITIVE_F32, default=1.0),
+    "beta_fast": schema.Key(_R + "yarn_beta_fast", "number", _FINITE, default=32.0),
+    "beta_slow": schema.Key(_R + "yarn_beta_slow", "number", _FINITE, default=1.0),
+    "log_mul": schema.Key(_R + "yarn_log_multiplier", "number", _NON_NEGATIVE, default=0.0),
+}
+MULTIPLIER_KEYS: dict[str, schema.Key] = {  # 0 = not set (llama.cpp's test `if (hparams.f_residual_scale)`)
+    "embedding_scale": schema.Key("{arch}.embedding_scale", "number", _NON_NEGATIVE, default=0.0),
+    "attention_scale": schema.Key("{arch}.attention.scale", "number", _NON_NEGATIVE, default=0.0),
+    "residual_scale": schema.Key("{arch}.residual_scale", "number", _NON_NEGATIVE, default=0.0),
+}
+ROPE_FINETUNED = schema.Key("{arch}.rope.scaling.finetuned", "bool", default=True)  # `arch.rope_switch`
+LOGIT_SCALE = schema.Key("{arch}.logit_scale", "number", schema.POSITIVE_F32, required=True)  # `arch.logit_scale`
+LAYER_NORM_EPS = schema.Key("{arch}.attention.layer_norm_epsilon", "number", schema.POSITIVE_F32, required=True)
+SCALING_TYPES = ("none", "linear", "yarn", "longrope")  # llama.cpp LLAMA_ROPE_SCALING_TYPE_*
+# `arch.attn_temperature`; 0 = off. Its position bucket is the original context (llama.cpp's mistral3 loader sets
+# n_attn_temp_floor_scale = n_ctx_orig_yarn; attention.temperature_length is not read: checked against llama.cpp)
+TEMPERATURE_KEY = schema.Key("{arch}.attention.temperature_scale", "number", _NON_NEGATIVE, default=0.0)
+# Mixture of experts (llama.cpp LLM_KV_EXPERT_*), read for architectures with `arch.moe`: ModelConfig field -> key.
+# llama.cpp holds at most LLAMA_MAX_EXPERTS (1024) experts; an absent expert width is feed_forward_length /
+# expert_used_count (qwen2moe, qwen3moe loaders).
+_EXPERTS = schema.Rule("an integer in [1, 1024] (LLAMA_MAX_EXPERTS)", lambda v: 1 <= v <= 1024)
+MOE_KEYS: dict[str, schema.Key] = {
+    "n_experts": schema.Key("{arch}.expert_count", "integer", _EXPERTS, required=True),
+    "n_experts_used": schema.Key("{arch}.expert_used_count", "integer", _EXPERTS, required=True),
+    "expert_hidden_dim": schema.Key("{arch}.expert_feed_forward_length", "integer", schema.SIZE, default=0),
+    "shared_hidden_dim": schema.Key("{arch}.expert_shared_feed_forward_length", "integer", schema.SIZE, default=0),
+}
+
+# llama4 (src/models/llama4.cpp `load_arch_hparams`): literals there, no metadata keys. Chunks of 8192 positions on
+# the chunked layers, the temperature 1 + 0.1 ln(1 + floor((pos + 1) / 8192)) on the NoPE ones; the MoE layers
+# every interleave_moe_layer_step-th (none with 0); Maverick's 128 experts skip the Q/K L2 norm (`use_kq_norm`).
+# (MobileLLM's attention.sliding_window 0, which turns chunking off, is refused by the key's rule, >= 1.)
+CHUNK_SIZE = 8192
+LLAMA4_TEMPERATURE = dict(attn_temp_scale=0.1, attn_temp_length=8192, attn_temp_offset=1.0)
+MOE_STEP = schema.Key(
+    "{arch}.interleave_moe_layer_step", "integer", schema.Rule("an integer >= 0", lambda v: v >= 0), required=True
+)
+NO_QK_NORM_EXPERTS = 128
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """`rope.scaling.*` as llama.cpp's context resolves it (llama-context.cpp): the values ggml_rope_ext gets."""
+
+    type: str = "linear"  # llama.cpp's default when the key is absent
+    freq_scale: float = 1.0  # 1 / rope.scaling.factor; 1 for type none
+    ext_factor: float = 0.0  # YaRN's mix of interpolated and extrapolated angles (1 for yarn)
+    attn_factor: float = 1.0  # multiplies cos and sin (YaRN's magnitude correction, LongRoPE's attn_factor)
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    orig_ctx: int = 0  # rope.scaling.original_context_length (else the training context)
 
 
 @dataclass(frozen=True)
@@ -33,6 +100,26 @@ class ModelConfig:
     sliding_window: int | None = None  # attention.sliding_window, for the local layers of `arch.swa_pattern`
     attn_softcap: float | None = None  # attn_logit_softcapping (gemma2)
     final_softcap: float | None = None  # final_logit_softcapping (gemma2)
+    rope_scaling: RopeScaling = RopeScaling()
+    # granite's multipliers (`arch.multipliers`); 0 = not set
+    embedding_scale: float = 0.0
+    attention_scale: float = 0.0  # replaces 1/sqrt(head_dim) as the KQ scale
+    residual_scale: float = 0.0
+    logit_factor: float = 1.0  # the logits are multiplied by it: 1 / logit_scale (granite), logit_scale (cohere2)
+    attn_temp_scale: float = 0.0  # attention temperature tuning (`arch.attn_temperature`); 0 = off
+    attn_temp_length: int = 0  # its position bucket: the original context
+    attn_temp_offset: float = 0.0  # added to the position first (llama4: 1)
+    chunk_size: int | None = None  # the chunked layers' chunk (`arch.chunked`): queries see their own chunk only
+    moe_layer_step: int = 0  # interleave_moe_layer_step (`arch.moe_interleave`)
+    qk_l2_norm: bool = False  # Q and K RMS-normed without weight after RoPE on the RoPE layers (`arch.qk_l2_norm`)
+    rope_off: bool = False  # no RoPE on any layer (granite with rope.scaling.finetuned false)
+    # mixture of experts (`arch.moe`); 0 = a dense feed-forward
+    n_experts: int = 0  # expert_count: routed experts per layer
+    n_experts_used: int = 0  # expert_used_count: experts each token is routed to (top-k)
+    expert_hidden_dim: int = 0  # expert_feed_forward_length: each expert's inner width
+    shared_hidden_dim: int = 0  # expert_shared_feed_forward_length: the shared expert's; 0 = none
+    # hybrid recurrent models (`arch.mixer == "hybrid"`): which layers are DeltaNet layers, their hparams
+    deltanet: DeltaNetConfig | None = None
 
     def is_local(self, layer: int) -> bool:
         """Whether `layer` uses sliding-window attention (llama.cpp `set_swa_pattern`: il % n < n - 1)."""
@@ -47,6 +134,58 @@ class ModelConfig:
         if self.is_local(layer) and self.arch.rope_theta_swa is not None:
             return self.arch.rope_theta_swa, 1.0
         return self.rope_theta, self.rope_freq_scale
+
+    def rope_ext(self, layer: int) -> RopeExt | None:
+        """YaRN's ext_factor, the attention factor and the correction dims of `layer` (ggml_rope_ext's
+        arguments), or None for plain RoPE (ext_factor 0, attn_factor 1: the angles as before)."""
+        s = self.rope_scaling
+        if (s.ext_factor == 0 and s.attn_factor == 1) or (self.is_local(layer) and self.arch.rope_theta_swa):
+            return None
+        theta, _ = self.rope(layer)
+        dims = yarn_corr_dims(self.rope_dim, s.orig_ctx or self.context_length, theta, s.beta_fast, s.beta_slow)
+        return RopeExt(s.ext_factor, s.attn_factor, *dims)
+
+    def chunk(self, layer: int) -> int | None:
+        """The chunk of a chunked layer (llama4's local ones: LLAMA_SWA_TYPE_CHUNKED), else None."""
+        n = self.arch.swa_pattern
+        return self.chunk_size if self.chunk_size and n > 0 and layer % n < n - 1 else None
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether `layer`'s feed-forward is the mixture of experts: every layer of an MoE architecture, or
+        llama4's (il + 1) % interleave_moe_layer_step == 0."""
+        if not self.n_experts:
+            return False
+        step = self.moe_layer_step
+        return not self.arch.moe_interleave or (step > 0 and (layer + 1) % step == 0)
+
+    def temperature_on(self, layer: int) -> bool:
+        """Whether Q of `layer` is scaled by the attention temperature (llama4: on its NoPE layers only)."""
+        return bool(self.attn_temp_scale) and not (self.arch.attn_temperature_nope_only and self.uses_rope(layer))
+
+    def uses_rope(self, layer: int) -> bool:
+        """False on the NoPE layers: smollm3's (il + 1) % 4 == 0, cohere2's global ones, all of a granite with
+        rope.scaling.finetuned false."""
+        if self.rope_off or (self.arch.rope_local_only and not self.is_local(layer)):
+            return False
+        n = self.arch.nope_step
+        return not (n and (layer + 1) % n == 0)
+
+    def long_factors(self) -> bool:
+        """LongRoPE: whether the long factors apply. llama.cpp compares its context size (n_ctx_seq) with the
+        original context; ggufpy compares the model's context length (llama.cpp's choice at full context)."""
+        return self.context_length > (self.rope_scaling.orig_ctx or self.context_length)
+
+    def fused_block(self, layer: int) -> bool:
+        """Whether the fused numba decode block may compute `layer` (it knows the block of the first six
+        architectures, with RoPE on every layer)."""
+        return self.arch.fused_block() and self.uses_rope(layer) and not self.attn_temp_scale
+
+    def attn_temperature(self, positions: np.ndarray) -> np.ndarray:
+        """Q's scale per position (T,) f32: 1 + scale * ln(1 + floor(pos / length)), in double as llama.cpp's
+        `llm_graph_input_attn_temp::set_input` (offset 0), rounded to f32."""
+        shifted = positions.astype(np.float32) + np.float32(self.attn_temp_offset)  # (T,)
+        bucket = np.floor(shifted / np.float32(self.attn_temp_length))  # (T,)
+        return (np.log(bucket.astype(np.float64) + 1.0) * np.float32(self.attn_temp_scale) + 1.0).astype(np.float32)
 
     @property
     def q_dim(self) -> int:
@@ -82,9 +221,31 @@ def config_from_metadata(md: Mapping[str, Any], vocab_size: int, source: str | N
         raise schema.fail(key("rope_dim"), rope_dim, f"must be even and <= the head size {head_dim}", source)
     if vocab_size <= 0:
         raise GGUFMetadataError(f"{source or 'model'}: token_embd has {vocab_size} rows: no vocabulary")
-    factor = v["rope_scaling_factor"] or v["rope_scale_linear"]
-    if v["rope_scaling"] not in ("none", "linear") and factor not in (0.0, 1.0):
-        raise schema.fail(key("rope_scaling"), v["rope_scaling"], "must be 'none' or 'linear' (supported)", source)
+    scaling = rope_scaling(md, spec, v, source)
+    multipliers = schema.read_all(md, MULTIPLIER_KEYS, arch=a, source=source) if spec.multipliers else {}
+    if spec.logit_scale != "none":  # ggml_scale(cur, 1.0f / f_logit_scale) (granite) or (cur, f_logit_scale)
+        s = np.float32(schema.read(md, LOGIT_SCALE, arch=a, source=source))
+        multipliers["logit_factor"] = float(np.float32(1) / s if spec.logit_scale == "divide" else s)
+    if spec.rope_switch and not schema.read(md, ROPE_FINETUNED, arch=a, source=source):
+        multipliers["rope_off"] = True
+    if spec.norm == "layer":
+        v["norm_eps"] = schema.read(md, LAYER_NORM_EPS, arch=a, source=source)
+    temperature = {}
+    if spec.attn_temperature and schema.read(md, TEMPERATURE_KEY, arch=a, source=source):
+        length = scaling.orig_ctx or v["context_length"]
+        temperature = dict(
+            attn_temp_scale=schema.read(md, TEMPERATURE_KEY, arch=a, source=source), attn_temp_length=length
+        )
+    experts = moe_fields(md, spec, v, source) if spec.moe else {}
+    if spec.chunked:
+        temperature = {"chunk_size": CHUNK_SIZE, **LLAMA4_TEMPERATURE}
+    if spec.moe_interleave:
+        experts["moe_layer_step"] = schema.read(md, MOE_STEP, arch=a, source=source)
+    if spec.qk_l2_norm:
+        experts["qk_l2_norm"] = experts.get("n_experts") != NO_QK_NORM_EXPERTS
+    hybrid = {}
+    if spec.mixer == "hybrid":
+        hybrid["deltanet"] = deltanet_config(md, a, v["n_layers"], v["norm_eps"], source)
     return ModelConfig(
         arch=spec,
         dim=v["dim"],
@@ -98,8 +259,63 @@ def config_from_metadata(md: Mapping[str, Any], vocab_size: int, source: str | N
         norm_eps=v["norm_eps"],
         rope_theta=v["rope_theta"],
         rope_dim=rope_dim,
-        rope_freq_scale=1.0 / factor if factor else 1.0,
+        rope_freq_scale=scaling.freq_scale,
         sliding_window=v["sliding_window"] if spec.swa_pattern else None,
         attn_softcap=v["attn_softcap"] if spec.softcaps else None,
         final_softcap=v["final_softcap"] if spec.softcaps else None,
+        rope_scaling=scaling,
+        **multipliers,
+        **temperature,
+        **experts,
+        **hybrid,
+    )
+
+
+def moe_fields(md: Mapping[str, Any], spec: ArchSpec, v: dict[str, Any], source: str | None) -> dict[str, int]:
+    """The expert hparams, checked against each other (llama-model.cpp `load_hparams` asserts the same)."""
+    e = schema.read_all(md, MOE_KEYS, arch=spec.name, source=source)
+    used = MOE_KEYS["n_experts_used"].name.replace("{arch}", spec.name)
+    if e["n_experts_used"] > e["n_experts"]:
+        raise schema.fail(used, e["n_experts_used"], f"must be <= expert_count = {e['n_experts']}", source)
+    if not spec.moe.expert_width_key:
+        e["expert_hidden_dim"] = v["hidden_dim"]
+    e["expert_hidden_dim"] = e["expert_hidden_dim"] or v["hidden_dim"] // e["n_experts_used"]
+    if spec.moe.shared_expert == "required":
+        e["shared_hidden_dim"] = e["shared_hidden_dim"] or v["hidden_dim"]
+    elif spec.moe.shared_expert == "expert_width":
+        e["shared_hidden_dim"] = e["expert_hidden_dim"]
+    elif spec.moe.shared_expert == "none":
+        e["shared_hidden_dim"] = 0
+    return e
+
+
+def rope_scaling(md: Mapping[str, Any], spec: ArchSpec, v: dict[str, Any], source: str | None) -> RopeScaling:
+    """The scaling llama.cpp's context derives from `rope.scaling.*` (src/llama-context.cpp), in float32 as
+    there: YaRN's attention factor get_mscale(factor) / (1 + 0.1 ln factor) cancels the mscale ggml's
+    `rope_yarn` multiplies in (up to rounding), times `rope.scaling.attn_factor`."""
+    a = spec.name
+    kind = v["rope_scaling"] if f"{a}.rope.scaling.type" in md else "linear"
+    if kind not in SCALING_TYPES:
+        raise schema.fail(f"{a}.rope.scaling.type", kind, f"must be one of {', '.join(SCALING_TYPES)}", source)
+    e = schema.read_all(md, SCALING_KEYS, arch=a, source=source)
+    f32 = np.float32
+    factor = v["rope_scaling_factor"] or v["rope_scale_linear"]
+    freq_scale = f32(1) / f32(factor) if factor and kind != "none" else f32(1)
+    ext = e["ext_factor"] if e["ext_factor"] >= 0 else (1.0 if kind == "yarn" else 0.0)
+    attn = f32(e["yarn_attn_factor"])
+    if ext != 0:
+        factor = f32(1) / freq_scale
+
+        def mscale(m: float):  # get_mscale: scale <= 1 ? 1 : 0.1f * mscale * logf(scale) + 1.0f
+            return f32(1) if factor <= 1 else f32(0.1) * f32(m) * logf(factor) + f32(1)
+
+        if e["log_mul"]:
+            m = e["log_mul"] if a == "deepseek2" and e["log_mul"] != 1 else 1.0  # [TAG_DEEPSEEK2_YARN_LOG_MUL_FIX]
+            attn = mscale(m) / mscale(e["log_mul"])
+        else:
+            attn = mscale(1.0)
+        attn = attn * (f32(1) / (f32(1) + f32(0.1) * logf(factor)))
+    attn = attn * f32(e["rope_attn_factor"])
+    return RopeScaling(
+        kind, float(freq_scale), float(ext), float(attn), e["beta_fast"], e["beta_slow"], e["orig_ctx"] or 0
     )

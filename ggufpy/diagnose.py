@@ -30,9 +30,9 @@ class NonFiniteLogitsError(ValueError):
 # traced tensor stem -> the weights (LayerWeights fields, or Weights fields for the head) computed into it
 _STEP_WEIGHTS: dict[str, tuple[str, ...]] = {
     "attn_norm": ("attn_norm",),
-    "Qcur": ("attn_q", "attn_q_bias", "attn_q_norm"),
-    "Kcur": ("attn_k", "attn_k_bias", "attn_k_norm"),
-    "Vcur": ("attn_v", "attn_v_bias"),
+    "Qcur": ("attn_qkv", "attn_q", "attn_q_bias", "attn_q_norm"),
+    "Kcur": ("attn_qkv", "attn_k", "attn_k_bias", "attn_k_norm"),
+    "Vcur": ("attn_qkv", "attn_v", "attn_v_bias"),
     "kqv_out": (),
     "ffn_inp": ("attn_output", "post_attention_norm"),
     "ffn_norm": ("ffn_norm",),

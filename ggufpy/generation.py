@@ -398,7 +398,7 @@ def reuse_cache(cache: Any, cache_ids: Sequence[int], prompt_ids: Sequence[int])
         n += 1
     n = min(n, len(prompt_ids) - 1, cache.length)
     cache.truncate(n)
-    return n
+    return cache.length  # a recurrent state cannot be cut back part way: it restarts at 0 (`state.HybridState`)
 
 
 def generate_text(

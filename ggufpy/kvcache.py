@@ -62,6 +62,18 @@ class KVCache:
             raise ValueError(f"cannot truncate a cache of {self.length} positions to {length}")
         self.length = length
 
+    def resized(self, capacity: int) -> KVCache:
+        """A copy with room for `capacity` positions holding the same filled ones (caches grow this way)."""
+        if capacity < self.length:
+            raise ContextLengthError(f"capacity {capacity} cannot hold the {self.length} positions of this cache")
+        n_kv_heads, head_dim = next(iter(self.k.values())).shape[1:] if self.k else (0, 0)
+        grown = KVCache(self.layers, capacity, n_kv_heads, head_dim, self.dtype)
+        for i in self.layers:
+            grown.k[i][: self.length] = self.k[i][: self.length]
+            grown.v[i][: self.length] = self.v[i][: self.length]
+        grown.advance(self.length)
+        return grown
+
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.k.values()) * 2

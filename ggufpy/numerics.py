@@ -20,6 +20,7 @@ The forward pass and the backends read only these fields.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,17 +42,25 @@ class Numerics:
     attention: Callable = ops.attention  # (q, k, v, start, scale) -> (T, H*E)
     quantize_activations: bool = False  # round activations to each weight type's vec_dot type (ggml-cpu.c)
     x86_kernels: bool = False  # and replay the f32 operations of ggml's x86 kernels (ggufpy/quants/x86)
+    x86_isa: str = "avx512"  # ... of this build (quants.x86.simd.ISAS): the goldens' AVX-512, or AVX2
     activations: dict[str, Callable] = field(default_factory=lambda: dict(ops.ACTIVATIONS))  # by ArchSpec name
+    layer_norm: Callable = ops.layer_norm  # (x, weight, eps) -> LayerNorm without bias (ArchSpec norm "layer")
 
 
 def rope_angles_ggml(
-    positions: np.ndarray, rope_dim: int, theta: float, freq_scale: float = 1.0, freq_factors: np.ndarray | None = None
+    positions: np.ndarray,
+    rope_dim: int,
+    theta: float,
+    freq_scale: float = 1.0,
+    freq_factors: np.ndarray | None = None,
+    ext: ops.RopeExt | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """cos and sin (T, R/2) as ggml computes them (ggml-cpu/ops.cpp `ggml_rope_cache_init`, `rope_yarn`).
 
     theta_scale = powf(freq_base, -2.0f/n_dims); pair i's angle is pos * theta_scale^i built by repeated f32
-    multiplication, divided by freq_factors[i], times freq_scale; then cosf/sinf (no YaRN: ext_factor 0,
-    mscale 1). A float64 theta^(-2i/R) differs from this by up to ~1e-5 rad at position 100.
+    multiplication, divided by freq_factors[i], times freq_scale; then cosf/sinf. A float64 theta^(-2i/R)
+    differs from this by up to ~1e-5 rad at position 100. With `ext` (YaRN, attention factor): the
+    interpolated and extrapolated angles mixed per pair, and cos, sin times mscale, in rope_yarn's f32 steps.
     """
     exponent = np.float32(-2.0) / np.float32(rope_dim)
     theta_scale = np.float32(np.float64(np.float32(theta)) ** np.float64(exponent))  # powf, correctly rounded
@@ -62,8 +71,25 @@ def rope_angles_ggml(
         t = t * theta_scale
     if freq_factors is not None:
         angles = angles / np.asarray(freq_factors, np.float32)
-    angles = np.float32(freq_scale) * angles
-    return _libm_f32("cosf", angles), _libm_f32("sinf", angles)
+    if ext is None:
+        angles = np.float32(freq_scale) * angles
+        return _libm_f32("cosf", angles), _libm_f32("sinf", angles)
+    f32 = np.float32
+    extrap, interp = angles, f32(freq_scale) * angles
+    mscale = f32(ext.attn_factor)
+    if ext.ext_factor != 0:
+        mix = ops.yarn_ramp(ext, rope_dim // 2)  # (R/2,)
+        # theta_interp * (1 - ramp_mix) + theta_extrap * ramp_mix, contracted to one FMA as compiled
+        angles = fma(interp, (f32(1) - mix), extrap * mix)
+        mscale = mscale * fma(f32(0.1), logf(f32(1) / f32(freq_scale)), f32(1))  # 1.0f + 0.1f * logf(1/fs)
+    else:
+        angles = interp
+    return _libm_f32("cosf", angles) * mscale, _libm_f32("sinf", angles) * mscale
+
+
+def logf(x) -> np.float32:
+    """The C library's logf of one float32 (what llama.cpp's scalar f32 code calls)."""
+    return _libm_f32("logf", np.asarray([x], np.float32))[0]
 
 
 @functools.cache
@@ -112,6 +138,7 @@ def attention_ggml(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: np.ndarray | None = None,
 ) -> np.ndarray:
     """llama.cpp's attention without flash attention (src/llama-graph.cpp `build_attn_mha`), shapes as
     `ops.attention`: q (T, H, E); k, v (S, G, E) read from the f16 cache.
@@ -119,8 +146,8 @@ def attention_ggml(
     kq = mul_mat(K, Q): K is f16, so Q is rounded to f16 (F16's vec_dot type) and the exact products are
     summed (ggml in f32; here exactly, in f64, and rounded once, as in `vecdot.linear`). soft_max_ext
     (ops.cpp `ggml_compute_forward_soft_max_f32`): kq * scale in f32, masked entries -inf, exp(x - max) in
-    f32 summed in double, times (float)(1/sum). kqv = mul_mat(V, kq): the probabilities are rounded to f16
-    and their products with f16 V summed likewise.
+    f32 summed in double, times (float)(1/sum); `sinks` (H,) join each head's max and sum (gpt-oss). kqv =
+    mul_mat(V, kq): the probabilities are rounded to f16 and their products with f16 V summed likewise.
     """
     T, H, E = q.shape
     S, G, _ = k.shape
@@ -136,8 +163,15 @@ def attention_ggml(
     if window is not None:
         masked |= distance >= window
     scores = np.where(masked, np.float32(-np.inf), scores)
-    e = np.exp(scores - scores.max(axis=-1, keepdims=True))
-    inv = (1.0 / e.sum(axis=-1, keepdims=True, dtype=np.float64)).astype(np.float32)
+    peak = scores.max(axis=-1, keepdims=True)
+    sink = None if sinks is None else np.asarray(sinks, np.float32).reshape(G, H // G, 1, 1)
+    if sink is not None:
+        peak = np.maximum(peak, sink)
+    e = np.exp(scores - peak)
+    total = e.sum(axis=-1, keepdims=True, dtype=np.float64)
+    if sink is not None:
+        total = total + np.exp(sink - peak)  # sum += (ggml_float) expf(sink - max)
+    inv = (1.0 / total).astype(np.float32)
     probs = round_f16(e * inv)
     out = (probs.astype(f64) @ v16).astype(np.float32)  # (G, H/G, T, E)
     return out.transpose(2, 0, 1, 3).reshape(T, H * E)
@@ -165,11 +199,37 @@ def gelu_tanh_ggml(x: np.ndarray) -> np.ndarray:
     return np.where(x <= -10, np.float32(0), np.where(x >= 10, x, looked_up))
 
 
-def _attention_x86(q, k, v, start, scale, window=None, softcap=None):
+def _attention_x86(q, k, v, start, scale, window=None, softcap=None, isa="avx512", sinks=None):
     """`attention_ggml` with the f32 operations of the kernels llama.cpp runs (`ggufpy.quants.x86.attention`)."""
     from .quants.x86.attention import attention
 
-    return attention(q, k, v, start, scale, window=window, softcap=softcap)
+    return attention(q, k, v, start, scale, window=window, softcap=softcap, isa=isa, sinks=sinks)
+
+
+def layer_norm_ggml(x: np.ndarray, weight: np.ndarray, eps: float, isa: str = "avx512") -> np.ndarray:
+    """`ggml_norm` then `ggml_mul` by the weight, as ggml-cpu computes them (ops.cpp
+    `ggml_compute_forward_norm_f32`): sum in double rounded to f32, mean = sum / n in f32, y = x - mean,
+    the variance by `ggml_vec_cvar_f32` (vec.cpp: per SIMD block of 16 (AVX-512) or 8 (AVX2) lanes the f32
+    squares summed by the intrinsic's tree, each block's sum added in double, the tail scalar), divided by n,
+    then y * (1.0f / sqrtf(variance + eps)) and the weight."""
+    from .quants.x86.simd import hsum_float_8, reduce_add_ps_512
+
+    x = np.asarray(x, np.float32)
+    n = x.shape[-1]
+    mean = (x.astype(np.float64).sum(axis=-1, keepdims=True).astype(np.float32) / np.float32(n)).astype(np.float32)
+    y = x - mean
+    lanes, hsum = (16, reduce_add_ps_512) if isa == "avx512" else (8, hsum_float_8)
+    blocks = n // lanes * lanes
+    sq = y * y
+    body = hsum(sq[..., :blocks].reshape(*sq.shape[:-1], blocks // lanes, lanes)).astype(np.float64)
+    total = np.zeros(sq.shape[:-1], np.float64)
+    for b in range(blocks // lanes):  # sum += (ggml_float) block, in order
+        total = total + body[..., b]
+    for i in range(blocks, n):
+        total = total + sq[..., i].astype(np.float64)
+    variance = (total / n).astype(np.float32)[..., None]
+    scale = np.float32(1.0) / np.sqrt(variance + np.float32(eps))
+    return (y * scale) * np.asarray(weight, np.float32)
 
 
 def _softcap_ggml(x, cap):
@@ -180,11 +240,11 @@ def _softcap_ggml(x, cap):
     return tanhf_glibc(np.asarray(x, np.float32) * (np.float32(1) / cap)) * cap
 
 
-def _silu_x86(x):
+def _silu_x86(x, isa="avx512"):
     """SiLU as `ggml_vec_swiglu_f32` computes it: x / (1 + ggml's own SIMD exp(-x)) (`ggufpy.quants.x86.unary`)."""
     from .quants.x86.unary import silu_rows
 
-    return silu_rows(x)
+    return silu_rows(x, isa)
 
 
 NUMERICS: dict[str, Numerics] = {
@@ -199,8 +259,37 @@ NUMERICS: dict[str, Numerics] = {
         quantize_activations=True,
         x86_kernels=True,
         activations={"silu": _silu_x86, "gelu_tanh": gelu_tanh_ggml},
+        layer_norm=layer_norm_ggml,
     ),
 }
+# The same on an AVX2 build of llama.cpp (no AVX-512): 8-lane SIMD exp, softmax sums and F16/F32 products.
+NUMERICS["llamacpp-avx2"] = dataclasses.replace(
+    NUMERICS["llamacpp"],
+    name="llamacpp-avx2",
+    attention=functools.partial(_attention_x86, isa="avx2"),
+    activations={"silu": functools.partial(_silu_x86, isa="avx2"), "gelu_tanh": gelu_tanh_ggml},
+    x86_isa="avx2",
+    layer_norm=functools.partial(layer_norm_ggml, isa="avx2"),
+)
+LLAMACPP_MODES = {"avx512": "llamacpp", "avx2": "llamacpp-avx2"}  # the mode replaying each llama.cpp build
+
+
+def llamacpp_mode(system_info: str) -> str:
+    """The numerics mode that replays the llama.cpp build whose `llama_print_system_info()` is given."""
+    from .quants.x86.simd import isa_of
+
+    return LLAMACPP_MODES[isa_of(system_info)]
+
+
+def host_llamacpp_mode(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The mode replaying the llama.cpp that a native build (llama-cpp-python's default) runs on this CPU: its
+    AVX-512 kernels need AVX512F and AVX512DQ (ggml-cpu's `__AVX512F__ && __AVX512DQ__` branches), else AVX2."""
+    try:
+        with open(cpuinfo) as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        flags = []
+    return LLAMACPP_MODES["avx512" if {"avx512f", "avx512dq"} <= set(flags) else "avx2"]
 
 
 def numerics_mode(name: str) -> Numerics:

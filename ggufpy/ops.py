@@ -9,6 +9,8 @@ Dimension alphabet used in the shape comments:
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 
@@ -20,18 +22,74 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     return (x * scale) * weight
 
 
+def layer_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """LayerNorm over the last axis without a bias (cohere2): (x - mean) / sqrt(variance + eps) * weight, the
+    mean and variance accumulated in float64, the centring and scaling in float32 (ggml `ggml_norm`)."""
+    mean = np.mean(x.astype(np.float64), axis=-1, keepdims=True).astype(np.float32)
+    y = x - mean
+    var = np.mean(np.square(y.astype(np.float64)), axis=-1, keepdims=True).astype(np.float32)
+    return (y * (np.float32(1.0) / np.sqrt(var + np.float32(eps)))) * weight
+
+
+class RopeExt(NamedTuple):
+    """ggml_rope_ext's arguments beyond plain RoPE (ggml-cpu/ops.cpp `rope_yarn`): YaRN mixes, per pair i, the
+    interpolated angle (times freq_scale) with the extrapolated one by ramp(i) * ext_factor, the ramp going
+    from 1 below pair `corr_low` to 0 above `corr_high`, and then multiplies cos and sin by attn_factor
+    (times 1 + 0.1 ln(1/freq_scale) when ext_factor != 0)."""
+
+    ext_factor: float
+    attn_factor: float
+    corr_low: float
+    corr_high: float
+
+
+def yarn_corr_dims(rope_dim: int, orig_ctx: int, theta: float, beta_fast: float, beta_slow: float) -> tuple:
+    """YaRN's correction range (ggml.c `ggml_rope_yarn_corr_dims`): the pairs whose wavelength turns
+    beta_fast and beta_slow times in the original context, floored / ceiled, in float32 as ggml computes it."""
+    f32 = np.float32
+
+    def dim(n_rot: float) -> np.float32:  # n_dims * logf(n_ctx_orig / (n_rot * 2 * pi)) / (2 * logf(base))
+        ratio = f32(orig_ctx) / (f32(n_rot) * f32(2) * f32(np.pi))
+        return f32(rope_dim) * f32(np.log(ratio)) / (f32(2) * f32(np.log(f32(theta))))
+
+    low, high = np.floor(dim(beta_fast)), np.ceil(dim(beta_slow))
+    return float(max(0.0, low)), float(min(rope_dim - 1.0, high))
+
+
+def yarn_ramp(ext: RopeExt, pairs: int) -> np.ndarray:
+    """ramp_mix per pair (R/2,): (1 - clamp((i - low) / max(0.001, high - low), 0, 1)) * ext_factor."""
+    y = (np.arange(pairs, dtype=np.float32) - np.float32(ext.corr_low)) / max(
+        np.float32(0.001), np.float32(ext.corr_high) - np.float32(ext.corr_low)
+    )
+    return (np.float32(1) - np.minimum(np.float32(1), np.maximum(np.float32(0), y))) * np.float32(ext.ext_factor)
+
+
 def rope_angles(
-    positions: np.ndarray, rope_dim: int, theta: float, freq_scale: float = 1.0, freq_factors: np.ndarray | None = None
+    positions: np.ndarray,
+    rope_dim: int,
+    theta: float,
+    freq_scale: float = 1.0,
+    freq_factors: np.ndarray | None = None,
+    ext: RopeExt | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """cos and sin of the rotation angles, each (T, R/2).
 
-    Pair i rotates by pos * freq_scale * theta^(-2i/R) / freq_factors[i]  (ggml `rope_yarn` without ext).
+    Pair i rotates by pos * freq_scale * theta^(-2i/R) / freq_factors[i]  (ggml `rope_yarn`), with YaRN's
+    mix and magnitude scaling when `ext` is given.
     """
     inv_freq = theta ** (-np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim)  # (R/2,)
     if freq_factors is not None:
         inv_freq = inv_freq / freq_factors
-    angles = np.outer(positions.astype(np.float64) * freq_scale, inv_freq)  # (T, R/2)
-    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    extrap = np.outer(positions.astype(np.float64), inv_freq)  # (T, R/2)
+    angles = extrap * freq_scale
+    mscale = 1.0
+    if ext is not None:
+        mscale = ext.attn_factor
+        if ext.ext_factor != 0:
+            mix = yarn_ramp(ext, rope_dim // 2).astype(np.float64)
+            angles = angles * (1 - mix) + extrap * mix
+            mscale *= 1.0 + 0.1 * np.log(1.0 / freq_scale)
+    return (np.cos(angles) * mscale).astype(np.float32), (np.sin(angles) * mscale).astype(np.float32)
 
 
 def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, style: str) -> np.ndarray:
@@ -70,12 +128,15 @@ def attention(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: np.ndarray | None = None,
 ) -> np.ndarray:
     """Causal grouped-query attention of T new queries over S cached positions.
 
     q: (T, H, E) for positions start..start+T-1; k, v: (S, G, E) for positions 0..S-1. Returns (T, H*E).
     `window`: a query at position p sees only keys at p-window < position <= p (llama.cpp's
     LLAMA_SWA_TYPE_STANDARD). `softcap`: scores become softcap * tanh(scores / softcap) (gemma2).
+    `sinks` (H,): one extra logit per head that joins each softmax's denominator but has no value (gpt-oss's
+    attn_sinks; ggml `ggml_soft_max_add_sinks`): the probabilities sum to less than 1.
     """
     T, H, E = q.shape
     S, G, _ = k.shape
@@ -87,9 +148,20 @@ def attention(
     if softcap:
         scores = apply_softcap(scores, softcap)
     np.copyto(scores, np.float32(-np.inf), where=attention_mask(start, T, S, window))
-    probs = softmax(scores, out=scores)
+    if sinks is None:
+        probs = softmax(scores, out=scores)
+    else:
+        probs = softmax_with_sinks(scores, np.asarray(sinks, np.float32).reshape(G, H // G, 1, 1))
     out = probs @ v.transpose(1, 0, 2)[:, None]  # (G, H/G, T, E)
     return out.transpose(2, 0, 1, 3).reshape(T, H * E)
+
+
+def softmax_with_sinks(scores: np.ndarray, sinks: np.ndarray) -> np.ndarray:
+    """Softmax over the last axis with one more logit per row, `sinks` (broadcast to scores[..., :1]), counted in
+    the max and the sum only (ggml-cpu ops.cpp soft_max: max = MAX(max, sink), sum += expf(sink - max))."""
+    m = np.maximum(np.max(scores, axis=-1, keepdims=True), sinks)
+    e = np.exp(scores - m)
+    return e / (np.sum(e, axis=-1, keepdims=True) + np.exp(sinks - m))
 
 
 def attention_mask(start: int, T: int, S: int, window: int | None = None) -> np.ndarray:

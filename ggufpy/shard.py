@@ -418,10 +418,5 @@ def cache_with_room(model: Model, cache: KVCache | None, n_new: int, what: str =
     if cache is not None and need <= cache.capacity:
         return cache
     capacity = min(context, max(need, INITIAL_CACHE_POSITIONS, 2 * (cache.capacity if cache else 0)))
-    grown = model.new_cache(capacity=capacity)
-    if cache is not None:
-        for i in cache.layers:
-            grown.k[i][:length] = cache.k[i][:length]
-            grown.v[i][:length] = cache.v[i][:length]
-        grown.advance(length)
-    return grown
+    # a KV cache or a hybrid model's state (`state.HybridState`): each knows how to copy itself
+    return model.new_cache(capacity=capacity) if cache is None else cache.resized(capacity)

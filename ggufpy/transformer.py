@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from . import ops
+from . import hybrid, moe, ops
 from .backend import Backend, linears
 from .config import ModelConfig
 from .kvcache import ContextLengthError, KVCache
@@ -56,6 +56,8 @@ class Model:
         capacity = capacity or min(cfg.context_length, DEFAULT_CACHE_CAPACITY)
         if capacity > cfg.context_length:
             raise ContextLengthError(f"capacity {capacity} exceeds the model's context length {cfg.context_length}")
+        if cfg.deltanet is not None:  # KV for the attention layers, conv + recurrent states for the DeltaNet ones
+            return hybrid.new_state(self, layers or self.layers, capacity)
         return KVCache(layers or self.layers, capacity, cfg.n_kv_heads, cfg.head_dim, self.numerics.kv_dtype)
 
     def forward(
@@ -96,27 +98,29 @@ class Model:
         cache.check(pos, T)
 
         positions = np.arange(pos, pos + T)
-        angles = {}  # (theta, freq_scale) -> (cos, sin), each (T, R/2): local and global layers may differ
+        angles = {}  # RoPE parameters -> (cos, sin), each (T, R/2): local and global layers may differ
         for i in layers:
-            rope = cfg.rope(i)
-            if rope not in angles:
-                angles[rope] = self.numerics.rope_angles(positions, cfg.rope_dim, *rope, self.weights.rope_freqs)
+            cos, sin = self._angles(angles, i, [positions])
             out = None
             # (only with the numerics the backend was built for: a record swapped on the model is obeyed)
-            if self.decode_block is not None and T == 1 and trace is None and self.numerics is self.backend.numerics:
-                out = self.decode_block(cfg, self.weights.layers[i], i, h, pos, *angles[rope], cache)
-            h = self.block(h, i, pos, *angles[rope], cache, trace) if out is None else out
+            if (
+                self.decode_block is not None
+                and T == 1
+                and trace is None
+                and self.numerics is self.backend.numerics
+                and cfg.fused_block(i)
+            ):
+                out = self.decode_block(cfg, self.weights.layers[i], i, h, pos, cos, sin, cache)
+            h = self.block(h, i, pos, cos, sin, cache, trace) if out is None else out
         cache.advance(pos + T)
 
         if layers.stop < cfg.n_layers:
             return h
         if last_only:
             h = h[-1:]
-        h = self.rms_norm(h, self.weights.output_norm, cfg.norm_eps)
+        h = self._pre_norm(h, self.weights.output_norm)
         _record(trace, "result_norm", h)
-        logits = self.backend.linear(h, self.weights.output)  # (T, V)
-        if cfg.final_softcap:
-            logits = self.numerics.softcap(logits, cfg.final_softcap)
+        logits = self.head(self.backend.linear(h, self.weights.output))  # (T, V)
         _record(trace, "result_output", logits)
         return logits
 
@@ -153,24 +157,17 @@ class Model:
             cache.check(pos, 1)
 
         h = self.embed(ids)  # (B, D)
-        angles = {}  # (theta, freq_scale) -> (cos, sin), each (B, R/2): row b at positions[b]
+        angles = {}  # RoPE parameters -> (cos, sin), each (B, R/2): row b at positions[b]
         for i in self.layers:
-            rope = cfg.rope(i)
-            if rope not in angles:  # each row's angles computed as a one-token forward pass computes them
-                rows = [
-                    self.numerics.rope_angles(np.arange(p, p + 1), cfg.rope_dim, *rope, self.weights.rope_freqs)
-                    for p in positions
-                ]
-                angles[rope] = tuple(np.concatenate(part) for part in zip(*rows, strict=True))
-            h = self.block_rows(h, i, positions, *angles[rope], caches)
+            # each row's angles computed as a one-token forward pass computes them
+            cos, sin = self._angles(angles, i, [np.arange(p, p + 1) for p in positions])
+            h = self.block_rows(h, i, positions, cos, sin, caches)
         for pos, cache in zip(positions, caches, strict=True):
             cache.advance(pos + 1)
 
-        h = self.rms_norm(h, self.weights.output_norm, cfg.norm_eps)
+        h = self._pre_norm(h, self.weights.output_norm)
         (logits,) = linears_rows(self.backend, h, (self.weights.output,))  # (B, V)
-        if cfg.final_softcap:
-            logits = _per_row(lambda x: self.numerics.softcap(x, cfg.final_softcap), logits)
-        return logits
+        return _per_row(self.head, logits)
 
     def logits(self, tokens) -> np.ndarray:
         """Logits (T, V) at every position of a fresh sequence of token ids."""
@@ -186,115 +183,184 @@ class Model:
         h = self.weights.token_embd.rows(ids)  # (T, D)
         if self.config.arch.embed_scale:
             h = h * np.float32(np.sqrt(self.config.dim))
+        if self.config.embedding_scale:  # granite (llama-graph.cpp `build_inp_embd`)
+            h = h * np.float32(self.config.embedding_scale)
         return h
 
+    def head(self, logits: np.ndarray) -> np.ndarray:
+        """What follows the output product: granite's and cohere2's logit scales, gemma2's final softcap."""
+        cfg = self.config
+        if cfg.logit_factor != 1.0:  # ggml_scale: granite's 1.0f / logit_scale, cohere2's logit_scale
+            logits = logits * np.float32(cfg.logit_factor)
+        if cfg.final_softcap:
+            logits = self.numerics.softcap(logits, cfg.final_softcap)
+        return logits
+
+    def _angles(self, cache: dict, i: int, positions: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        """cos, sin (N, R/2) of layer i for the rows at `positions` (one array per sequence, computed one by
+        one as a forward pass of that sequence alone computes them), memoized in `cache` per RoPE parameters."""
+        cfg = self.config
+        theta, freq_scale = cfg.rope(i)
+        ext = cfg.rope_ext(i)
+        key = (theta, freq_scale, ext)
+        if key not in cache:
+            more = {} if ext is None else {"ext": ext}  # (plain RoPE calls any numerics' rope_angles as before)
+            parts = [
+                self.numerics.rope_angles(p, cfg.rope_dim, theta, freq_scale, self.weights.rope_freqs, **more)
+                for p in positions
+            ]
+            cache[key] = tuple(np.concatenate(part) for part in zip(*parts, strict=True))
+        return cache[key]
+
+    # -- the block: h + mixer(norm(h)), then + feed_forward(norm(.)) ----------------------------------------
+    # One implementation serves a stretch of T tokens of one sequence (`block`, prefill and decode) and one
+    # token each of B sequences (`block_rows`, `decode_batch`): `seqs` lists (position, cache) per sequence,
+    # each owning len(h) / len(seqs) consecutive rows, and `rows` makes every product and elementwise step
+    # that could round a row differently beside others run per row (batch invariance).
+
     def block(self, h, i: int, pos: int, cos, sin, cache: KVCache, trace=None) -> np.ndarray:
-        """One pre-norm transformer block: h + attention(norm(h)), then + feed_forward(norm(.)).
+        """Block `i` on h (T, D) at positions pos..pos+T-1 of the sequence held by `cache`."""
+        return self._block(h, i, [(pos, cache)], cos, sin, rows=False, trace=trace)
 
-        Optional steps, per ArchSpec: Q/K/V biases, per-head Q/K norms, norms on each branch's output.
-        """
-        cfg, w, lin = self.config, self.weights.layers[i], self.backend.linear
-        T = h.shape[0]
+    def block_rows(self, h, i: int, positions: list[int], cos, sin, caches: list[KVCache]) -> np.ndarray:
+        """`block` for B sequences of one token each (`decode_batch`): h (B, D), row b at positions[b] of
+        caches[b], with cos, sin (B, R/2). Row b equals `block(h[b:b+1], i, positions[b], ...)` bit for bit."""
+        return self._block(h, i, list(zip(positions, caches, strict=True)), cos, sin, rows=True)
 
-        x = self.rms_norm(h, w.attn_norm, cfg.norm_eps)
+    def _block(self, h, i: int, seqs: list[tuple[int, KVCache]], cos, sin, rows: bool, trace=None) -> np.ndarray:
+        """A pre-norm block: the mixer (attention) and the feed-forward, each a residual branch with the
+        ArchSpec's optional steps (no pre-norms: olmo2; norms on each branch's output: gemma2/3, olmo2; the
+        residual scale: granite)."""
+        w = self.weights.layers[i]
+        x = self._pre_norm(h, w.attn_norm)
         _record(trace, f"attn_norm-{i}", x)
-        q, k, v = linears(self.backend, x, (w.attn_q, w.attn_k, w.attn_v))  # (T, Q), (T, K), (T, K)
+        if w.mixer is not None:  # a hybrid model's DeltaNet or gated attention layer
+            mixed = hybrid.mixer(self, x, w, i, seqs, cos, sin, trace)
+        else:
+            mixed = self.attention(x, w, i, seqs, cos, sin, rows, trace)
+        if self.config.arch.parallel:  # cohere2: both branches read x; (ffn + h) + mixer, llama.cpp's order
+            ffn = self.feed_forward(x, w, rows)
+            _record(trace, f"ffn_out-{i}", ffn)
+            h = (ffn + h) + mixed
+            _record(trace, f"l_out-{i}", h)
+            return h
+        h = self._residual(h, mixed, w.post_attention_norm)
+        _record(trace, f"ffn_inp-{i}", h)
+        x = self._pre_norm(h, w.ffn_norm)
+        _record(trace, f"ffn_norm-{i}", x)
+        ffn = self.feed_forward(x, w, rows)
+        _record(trace, f"ffn_out-{i}", ffn)
+        h = self._residual(h, ffn, w.post_ffw_norm)
+        _record(trace, f"l_out-{i}", h)
+        return h
+
+    def _pre_norm(self, h: np.ndarray, weight: np.ndarray | None) -> np.ndarray:
+        """The block's and the head's norm: RMSNorm, or LayerNorm (`arch.norm`); none without a weight. Each
+        row is reduced on its own, so it is batch-invariant too (tests/test_batch.py)."""
+        if weight is None:
+            return h
+        if self.config.arch.norm == "layer":
+            return self.numerics.layer_norm(h, weight, self.config.norm_eps)
+        return self.rms_norm(h, weight, self.config.norm_eps)
+
+    def _residual(self, h: np.ndarray, out: np.ndarray, post_norm: np.ndarray | None) -> np.ndarray:
+        """h + out, with the branch output normed (post-norms) and scaled (granite's residual_scale) first."""
+        if post_norm is not None:
+            out = self.rms_norm(out, post_norm, self.config.norm_eps)
+        if self.config.residual_scale:  # ggml_scale
+            out = out * np.float32(self.config.residual_scale)
+        return h + out
+
+    def attention(self, x, w: LayerWeights, i: int, seqs, cos, sin, rows: bool = False, trace=None) -> np.ndarray:
+        """The attention mixer: x (N, D) -> (N, D). Q/K/V (fused or not, with biases), Q/K norms per head or
+        over all heads, RoPE (not on NoPE layers), each sequence's rows against its own cache (with gpt-oss's
+        sinks in the softmax), the output product (plus its bias: gpt-oss)."""
+        cfg, N = self.config, x.shape[0]
+        if w.attn_qkv is not None:  # phi3: one product, then views of its columns (llama.cpp `build_qkv`)
+            (qkv,) = self._products(x, (w.attn_qkv,), rows)  # (N, Q+2K)
+            q, k, v = np.split(qkv, [cfg.q_dim, cfg.q_dim + cfg.kv_dim], axis=1)
+        else:
+            q, k, v = self._products(x, (w.attn_q, w.attn_k, w.attn_v), rows)  # (N, Q), (N, K), (N, K)
         if w.attn_q_bias is not None:
             q, k, v = q + w.attn_q_bias, k + w.attn_k_bias, v + w.attn_v_bias
-        q = q.reshape(T, cfg.n_heads, cfg.head_dim)  # (T, H, E)
-        k = k.reshape(T, cfg.n_kv_heads, cfg.head_dim)  # (T, G, E)
-        v = v.reshape(T, cfg.n_kv_heads, cfg.head_dim)  # (T, G, E)
-        if w.attn_q_norm is not None:
+        if w.attn_q_norm is not None and cfg.arch.qk_norm_span == "all":  # olmo2: over the whole Q and K rows
             q = self.rms_norm(q, w.attn_q_norm, cfg.norm_eps)
             k = self.rms_norm(k, w.attn_k_norm, cfg.norm_eps)
-        rope = self.compiled.get(self.numerics.rope, self.numerics.rope)
-        q = rope(q, cos, sin, cfg.arch.rope_style)
-        k = rope(k, cos, sin, cfg.arch.rope_style)
+        q = q.reshape(N, cfg.n_heads, cfg.head_dim)  # (N, H, E)
+        k = k.reshape(N, cfg.n_kv_heads, cfg.head_dim)  # (N, G, E)
+        v = v.reshape(N, cfg.n_kv_heads, cfg.head_dim)  # (N, G, E)
+        if w.attn_q_norm is not None and cfg.arch.qk_norm_span == "head":
+            q = self.rms_norm(q, w.attn_q_norm, cfg.norm_eps)
+            k = self.rms_norm(k, w.attn_k_norm, cfg.norm_eps)
+        if cfg.uses_rope(i):
+            rope = self.compiled.get(self.numerics.rope, self.numerics.rope)
+            q = rope(q, cos, sin, cfg.arch.rope_style)  # row r rotated by its own angles cos[r], sin[r]
+            k = rope(k, cos, sin, cfg.arch.rope_style)
         _record(trace, f"Qcur-{i}", q)
         _record(trace, f"Kcur-{i}", k)
         _record(trace, f"Vcur-{i}", v)
-        keys, values = cache.update(i, pos, k, v)  # (S, G, E) each
+        if cfg.qk_l2_norm and cfg.uses_rope(i):  # llama4: ggml_rms_norm of each head, no weight (x 1 is exact)
+            ones = np.ones(cfg.head_dim, np.float32)
+            q, k = self.rms_norm(q, ones, cfg.norm_eps), self.rms_norm(k, ones, cfg.norm_eps)
+        if cfg.temperature_on(i):  # temperature tuning (mistral3, llama4): ggml_mul(Qcur, attn_scale), per position
+            n = N // len(seqs)
+            positions = np.concatenate([np.arange(pos, pos + n) for pos, _ in seqs])  # (N,)
+            q = q * cfg.attn_temperature(positions)[:, None, None]
         extra = {}  # only architectures that need them pass these, so numerics modes may ignore them otherwise
         if cfg.window(i) is not None:
             extra["window"] = cfg.window(i)
         if cfg.attn_softcap:
             extra["softcap"] = cfg.attn_softcap
-        scale = np.float32(1.0) / np.sqrt(np.float32(cfg.head_dim))  # 1.0f/sqrtf(E) (llama-graph.cpp)
-        if cfg.arch.scale_q:  # gemma: Q scaled in f32 before the KQ product (and its f16 rounding in llamacpp)
+        # 1.0f/sqrtf(E) (llama-graph.cpp), or granite's attention.scale
+        scale = np.float32(cfg.attention_scale or np.float32(1.0) / np.sqrt(np.float32(cfg.head_dim)))
+        if cfg.arch.scale_q:  # gemma, phi3: Q scaled in f32 before the KQ product (and its f16 rounding in llamacpp)
             q, scale = q * (np.float32(1.0) / np.sqrt(np.float32(cfg.head_dim))), 1.0  # 1.0f / sqrtf(E)
-        # a backend may compute attention itself (numba); it defers to the numerics mode where that is not exact
+        # a backend may compute attention itself (numba); it defers to the numerics mode where that is not exact,
+        # and the numerics' attention alone knows sinks (gpt-oss)
         attention = getattr(self.backend, "attention", None) or self.numerics.attention
-        attn = attention(q, keys, values, pos, scale, **extra)  # (T, H*E)
+        if w.attn_sinks is not None:
+            attention, extra["sinks"] = self.numerics.attention, w.attn_sinks
+        n = N // len(seqs)  # rows per sequence: T for `block`, 1 for `block_rows`
+        attn = np.empty((N, cfg.n_heads * cfg.head_dim), np.float32)  # (N, H*E)
+        for s, (pos, cache) in enumerate(seqs):
+            r = slice(s * n, (s + 1) * n)
+            keys, values = cache.update(i, pos, k[r], v[r])  # (S, G, E) each
+            if cfg.chunk(i) is None:
+                attn[r] = attention(q[r], keys, values, pos, scale, **extra)
+            else:
+                attn[r] = _chunked(attention, q[r], keys, values, pos, scale, cfg.chunk(i), extra)
         _record(trace, f"kqv_out-{i}", attn)
-        out = lin(attn, w.attn_output)  # (T, D)
-        if w.post_attention_norm is not None:
-            out = self.rms_norm(out, w.post_attention_norm, cfg.norm_eps)
-        h = h + out
-        _record(trace, f"ffn_inp-{i}", h)
+        (out,) = self._products(attn, (w.attn_output,), rows)  # (N, D)
+        if w.attn_output_bias is not None:  # gpt-oss: build_attn's ggml_add(cur, wo_b)
+            out = out + w.attn_output_bias
+        return out
 
-        x = self.rms_norm(h, w.ffn_norm, cfg.norm_eps)
-        _record(trace, f"ffn_norm-{i}", x)
-        ffn = self.feed_forward(x, w)
-        _record(trace, f"ffn_out-{i}", ffn)
-        if w.post_ffw_norm is not None:
-            ffn = self.rms_norm(ffn, w.post_ffw_norm, cfg.norm_eps)
-        h = h + ffn
-        _record(trace, f"l_out-{i}", h)
-        return h
-
-    def block_rows(self, h, i: int, positions: list[int], cos, sin, caches: list[KVCache]) -> np.ndarray:
-        """`block` for B sequences of one token each (`decode_batch`): h (B, D), row b at positions[b] of
-        caches[b], with cos, sin (B, R/2). Row b equals `block(h[b:b+1], i, positions[b], ...)` bit for bit."""
-        cfg, w = self.config, self.weights.layers[i]
-        B = h.shape[0]
-
-        x = self.rms_norm(h, w.attn_norm, cfg.norm_eps)  # each row reduced on its own (tests/test_batch.py)
-        q, k, v = linears_rows(self.backend, x, (w.attn_q, w.attn_k, w.attn_v))  # (B, Q), (B, K), (B, K)
-        if w.attn_q_bias is not None:
-            q, k, v = q + w.attn_q_bias, k + w.attn_k_bias, v + w.attn_v_bias
-        q = q.reshape(B, cfg.n_heads, cfg.head_dim)  # (B, H, E)
-        k = k.reshape(B, cfg.n_kv_heads, cfg.head_dim)  # (B, G, E)
-        v = v.reshape(B, cfg.n_kv_heads, cfg.head_dim)  # (B, G, E)
-        if w.attn_q_norm is not None:
-            q = self.rms_norm(q, w.attn_q_norm, cfg.norm_eps)
-            k = self.rms_norm(k, w.attn_k_norm, cfg.norm_eps)
-        rope = self.compiled.get(self.numerics.rope, self.numerics.rope)
-        q = rope(q, cos, sin, cfg.arch.rope_style)  # row b rotated by its own angles cos[b], sin[b]
-        k = rope(k, cos, sin, cfg.arch.rope_style)
-        extra = {}
-        if cfg.window(i) is not None:
-            extra["window"] = cfg.window(i)
-        if cfg.attn_softcap:
-            extra["softcap"] = cfg.attn_softcap
-        scale = np.float32(1.0) / np.sqrt(np.float32(cfg.head_dim))  # as in `block`
-        if cfg.arch.scale_q:
-            q, scale = q * (np.float32(1.0) / np.sqrt(np.float32(cfg.head_dim))), 1.0
-        attention = getattr(self.backend, "attention", None) or self.numerics.attention
-        attn = np.empty((B, cfg.n_heads * cfg.head_dim), np.float32)  # (B, H*E)
-        for b, (pos, cache) in enumerate(zip(positions, caches, strict=True)):  # each against its own cache
-            keys, values = cache.update(i, pos, k[b : b + 1], v[b : b + 1])  # (S_b, G, E) each
-            attn[b] = attention(q[b : b + 1], keys, values, pos, scale, **extra)[0]
-        (out,) = linears_rows(self.backend, attn, (w.attn_output,))  # (B, D)
-        if w.post_attention_norm is not None:
-            out = self.rms_norm(out, w.post_attention_norm, cfg.norm_eps)
-        h = h + out
-
-        x = self.rms_norm(h, w.ffn_norm, cfg.norm_eps)
-        act = self.numerics.activations[cfg.arch.activation]
+    def feed_forward(self, x: np.ndarray, w: LayerWeights, rows: bool = False) -> np.ndarray:
+        """The feed-forward of block `w`: x (N, D) -> (N, D). Gated: down(act(gate(x)) * up(x)), gate and up
+        from one fused ffn_up where the ArchSpec says so (phi3). `rows`: batch-invariant, per row."""
+        act = self.numerics.activations[self.config.arch.activation]
         act = self.compiled.get(act, act)
-        gate, up = linears_rows(self.backend, x, (w.ffn_gate, w.ffn_up))  # (B, F) each
-        (ffn,) = linears_rows(self.backend, _per_row(act, gate) * up, (w.ffn_down,))  # (B, D)
-        if w.post_ffw_norm is not None:
-            ffn = self.rms_norm(ffn, w.post_ffw_norm, cfg.norm_eps)
-        return h + ffn
+        if w.ffn_gate_inp is not None:  # a mixture of experts (`ggufpy.moe`), per row where batch-invariant
+            cfg = self.config
+            k, be, nm = cfg.n_experts_used, self.backend, self.numerics
 
-    def feed_forward(self, x: np.ndarray, w: LayerWeights) -> np.ndarray:
-        """Gated feed-forward: down(act(gate(x)) * up(x))."""
-        name = self.config.arch.activation
-        act = self.numerics.activations[name]
-        act = self.compiled.get(act, act)
-        gate, up = linears(self.backend, x, (w.ffn_gate, w.ffn_up))  # (T, F) each
-        return self.backend.linear(act(gate) * up, w.ffn_down)
+            def experts(xs: np.ndarray) -> np.ndarray:
+                return moe.feed_forward(xs, w, cfg.arch.moe, k, be, nm, act)
+
+            return _per_row(experts, x) if rows else experts(x)
+        if w.ffn_gate is None:  # ffn_up (2F, D): gate rows first (ggml_swiglu's first half)
+            (gate_up,) = self._products(x, (w.ffn_up,), rows)  # (N, 2F)
+            gate, up = np.split(gate_up, 2, axis=1)  # (N, F) each
+        else:
+            gate, up = self._products(x, (w.ffn_gate, w.ffn_up), rows)  # (N, F) each
+        (out,) = self._products((_per_row(act, gate) if rows else act(gate)) * up, (w.ffn_down,), rows)
+        return out  # (N, D)
+
+    def _products(self, x: np.ndarray, ws: tuple[QuantTensor, ...], rows: bool) -> list[np.ndarray]:
+        """x times each of `ws`; with `rows`, each row in the single-row kernels' order (`linears_rows`)."""
+        if rows:
+            return linears_rows(self.backend, x, ws)
+        return [self.backend.linear(x, ws[0])] if len(ws) == 1 else linears(self.backend, x, ws)
 
     def __repr__(self) -> str:
         c = self.config
@@ -314,6 +380,20 @@ def linears_rows(backend: Backend, x: np.ndarray, ws: tuple[QuantTensor, ...]) -
     return [
         np.concatenate(rows) for rows in zip(*(linears(backend, x[b : b + 1], ws) for b in range(len(x))), strict=True)
     ]
+
+
+def _chunked(attention, q, keys, values, pos: int, scale, chunk: int, extra: dict) -> np.ndarray:
+    """Attention of a chunked layer (llama4) for q (T, H, E) at pos..pos+T-1: the rows of each chunk of positions
+    see only that chunk's keys (llama-hparams.h `is_masked_swa`, LLAMA_SWA_TYPE_CHUNKED: key p0 is masked for
+    query p1 when p0 < (p1 / n_swa) * n_swa). Within the first chunk this is the plain call."""
+    out, p, end_all = [], pos, pos + len(q)
+    while p < end_all:
+        start = p // chunk * chunk
+        end = min(end_all, start + chunk)
+        rows = slice(p - pos, end - pos)
+        out.append(attention(q[rows], keys[start:end], values[start:end], p - start, scale, **extra))
+        p = end
+    return np.concatenate(out)
 
 
 def _per_row(f, x: np.ndarray) -> np.ndarray:

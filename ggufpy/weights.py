@@ -49,26 +49,66 @@ class QuantTensor:
 
 
 @dataclass(frozen=True, eq=False)
+class ExpertTensor:
+    """A stack of expert matrices as stored (`ffn_gate_exps`, ...): GGUF dims (in, out, n_experts), NumPy shape
+    (X, out, in). Each expert is a 2-D `QuantTensor` over its rows of the mapped blob, made once at load (a
+    view: nothing is read, copied or dequantized), so backends cache per expert, by identity, only the experts
+    a token is routed to."""
+
+    name: str
+    type: GGMLType
+    shape: tuple[int, int, int]  # (X, out, in)
+    experts: tuple[QuantTensor, ...]
+    bias: np.ndarray | None = None  # (X, out) f32: expert e's output bias (gpt-oss), added as ggml_add_id does
+
+    @classmethod
+    def view(
+        cls, name: str, type: GGMLType, shape: tuple[int, int, int], raw: np.ndarray, bias: np.ndarray | None = None
+    ) -> ExpertTensor:
+        per_expert = raw.reshape(shape[0], -1)  # (X, out * row_bytes): experts are contiguous, outermost
+        experts = tuple(QuantTensor(f"{name}[{e}]", type, shape[1:], per_expert[e]) for e in range(shape[0]))
+        return cls(name, type, shape, experts, bias)
+
+    def expert(self, e: int) -> QuantTensor:
+        return self.experts[e]
+
+
+@dataclass(frozen=True, eq=False)
 class LayerWeights:
     """One transformer block. Shapes use D = dim, Q = n_heads*head_dim, K = n_kv_heads*head_dim, F = hidden_dim."""
 
-    attn_norm: np.ndarray  # (D,) float32
-    attn_q: QuantTensor  # (Q, D)
-    attn_k: QuantTensor  # (K, D)
-    attn_v: QuantTensor  # (K, D)
+    attn_norm: np.ndarray | None  # (D,) float32; None without pre-norms (olmo2)
+    attn_q: QuantTensor | None  # (Q, D); None when fused into attn_qkv (phi3)
+    attn_k: QuantTensor | None  # (K, D)
+    attn_v: QuantTensor | None  # (K, D)
     attn_output: QuantTensor  # (D, Q)
-    ffn_norm: np.ndarray  # (D,)
-    ffn_gate: QuantTensor  # (F, D)
-    ffn_up: QuantTensor  # (F, D)
-    ffn_down: QuantTensor  # (D, F)
+    ffn_norm: np.ndarray | None  # (D,)
+    ffn_gate: QuantTensor | None = None  # (F, D); None in a mixture-of-experts layer, or fused into ffn_up
+    ffn_up: QuantTensor | None = None  # (F, D); (2F, D), gate rows first, with `arch.fused_gate_up` (phi3)
+    ffn_down: QuantTensor | None = None  # (D, F)
     # present only where the ArchSpec asks for them
     attn_q_bias: np.ndarray | None = None  # (Q,)  qwen2
     attn_k_bias: np.ndarray | None = None  # (K,)
     attn_v_bias: np.ndarray | None = None  # (K,)
-    attn_q_norm: np.ndarray | None = None  # (E,)  qwen3, gemma3
-    attn_k_norm: np.ndarray | None = None  # (E,)
-    post_attention_norm: np.ndarray | None = None  # (D,)  gemma2/3
+    attn_q_norm: np.ndarray | None = None  # (E,)  qwen3, gemma3; (Q,) over all heads (olmo2)
+    attn_k_norm: np.ndarray | None = None  # (E,); (K,) (olmo2)
+    post_attention_norm: np.ndarray | None = None  # (D,)  gemma2/3, olmo2
+    attn_sinks: np.ndarray | None = None  # (H,)  gpt-oss: each head's sink logit
+    attn_output_bias: np.ndarray | None = None  # (D,)  gpt-oss
     post_ffw_norm: np.ndarray | None = None  # (D,)
+    attn_qkv: QuantTensor | None = None  # (Q+2K, D)  phi3: the Q, K and V rows stacked
+    # mixture of experts (`arch.moe`; `ggufpy.moe`): X = n_experts, Fe = expert_hidden_dim, Fs = shared_hidden_dim
+    ffn_gate_inp: QuantTensor | None = None  # (X, D) the router
+    ffn_gate_inp_bias: np.ndarray | None = None  # (X,) gpt-oss
+    ffn_gate_exps: ExpertTensor | None = None  # (X, Fe, D)
+    ffn_up_exps: ExpertTensor | None = None  # (X, Fe, D)
+    ffn_down_exps: ExpertTensor | None = None  # (X, D, Fe)
+    ffn_gate_inp_shexp: QuantTensor | None = None  # (1, D) the shared expert's gate (qwen2moe), stored (D,)
+    ffn_gate_shexp: QuantTensor | None = None  # (Fs, D)
+    ffn_up_shexp: QuantTensor | None = None  # (Fs, D)
+    ffn_down_shexp: QuantTensor | None = None  # (D, Fs)
+    # a hybrid model's mixer (`arch.mixer == "hybrid"`): DeltaNetWeights or GatedAttentionWeights (`ggufpy.hybrid`)
+    mixer: object | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -77,7 +117,9 @@ class Weights:
     layers: dict[int, LayerWeights]  # by global layer index; a shard holds only its own layers
     output_norm: np.ndarray | None  # (D,)
     output: QuantTensor | None  # (V, D); token_embd itself when the head is tied
-    rope_freqs: np.ndarray | None  # (rope_dim/2,) Llama 3 frequency factors, divides each rotation frequency
+    # (rope_dim/2,) frequency factors dividing each rotation frequency: Llama 3's rope_freqs, or LongRoPE's
+    # rope_factors_long / _short as `ModelConfig.long_factors` picks them (phi3)
+    rope_freqs: np.ndarray | None
 
 
 def tensor(f: GGUFFile, name: str, shape: tuple[int, ...]) -> QuantTensor:
@@ -119,6 +161,10 @@ def check_linear_types(f: GGUFFile, weights: Weights, backend: str, quantize_act
     (otherwise the first forward pass fails, differently per backend)."""
     types = LINEAR_TYPES[backend](quantize_activations)
     matrices = [w for layer in weights.layers.values() for w in vars(layer).values() if isinstance(w, QuantTensor)]
+    stacks = [w for layer in weights.layers.values() for w in vars(layer).values() if isinstance(w, ExpertTensor)]
+    matrices += [w.experts[0] for w in stacks]  # the experts of a stack share its type
+    mixers = [layer.mixer for layer in weights.layers.values() if layer.mixer is not None]  # hybrid models
+    matrices += [w for m in mixers for w in vars(m).values() if isinstance(w, QuantTensor)]
     if weights.output is not None:
         matrices.append(weights.output)
     for w in matrices:
@@ -137,8 +183,19 @@ def load_weights(f: GGUFFile, cfg: ModelConfig, layers: range) -> Weights:
     arch = cfg.arch
     blocks = {}
     for i in layers:
+        if arch.mixer == "hybrid":  # qwen35: each layer's mixer tensors by its kind (`ggufpy.hybrid`)
+            from .hybrid import load_layer
+
+            blocks[i] = load_layer(f, cfg, i)
+            continue
         p = f"blk.{i}."
         extra = {}
+        if arch.fused_qkv and p + "attn_qkv.weight" in f.tensors:  # llama.cpp `create_tensor_qkv`: either form
+            extra.update(attn_qkv=tensor(f, p + "attn_qkv.weight", (Q + 2 * K, D)), attn_q=None, attn_k=None)
+            extra.update(attn_v=None)
+        else:
+            extra.update(attn_q=tensor(f, p + "attn_q.weight", (Q, D)), attn_k=tensor(f, p + "attn_k.weight", (K, D)))
+            extra.update(attn_v=tensor(f, p + "attn_v.weight", (K, D)))
         if arch.qkv_bias:
             extra.update(
                 attn_q_bias=vector(f, p + "attn_q.bias", Q),
@@ -146,25 +203,36 @@ def load_weights(f: GGUFFile, cfg: ModelConfig, layers: range) -> Weights:
                 attn_v_bias=vector(f, p + "attn_v.bias", K),
             )
         if arch.qk_norm:
-            E = cfg.head_dim
+            q_len, k_len = (Q, K) if arch.qk_norm_span == "all" else (cfg.head_dim, cfg.head_dim)
             extra.update(
-                attn_q_norm=vector(f, p + "attn_q_norm.weight", E), attn_k_norm=vector(f, p + "attn_k_norm.weight", E)
+                attn_q_norm=vector(f, p + "attn_q_norm.weight", q_len),
+                attn_k_norm=vector(f, p + "attn_k_norm.weight", k_len),
             )
+        if arch.attn_sinks:
+            extra.update(attn_sinks=vector(f, p + "attn_sinks.weight", cfg.n_heads))
+        if arch.attn_output_bias:
+            extra.update(attn_output_bias=vector(f, p + "attn_output.bias", D))
         if arch.post_norms:
             extra.update(
                 post_attention_norm=vector(f, p + "post_attention_norm.weight", D),
                 post_ffw_norm=vector(f, p + "post_ffw_norm.weight", D),
             )
+        if cfg.is_moe_layer(i):  # every layer of an MoE architecture but llama4's dense ones
+            extra.update(expert_tensors(f, cfg, p))
+        elif arch.fused_gate_up:
+            extra.update(
+                ffn_up=tensor(f, p + "ffn_up.weight", (2 * F, D)), ffn_down=tensor(f, p + "ffn_down.weight", (D, F))
+            )
+        else:
+            extra.update(
+                ffn_gate=tensor(f, p + "ffn_gate.weight", (F, D)),
+                ffn_up=tensor(f, p + "ffn_up.weight", (F, D)),
+                ffn_down=tensor(f, p + "ffn_down.weight", (D, F)),
+            )
         blocks[i] = LayerWeights(
-            attn_norm=vector(f, p + "attn_norm.weight", D),
-            attn_q=tensor(f, p + "attn_q.weight", (Q, D)),
-            attn_k=tensor(f, p + "attn_k.weight", (K, D)),
-            attn_v=tensor(f, p + "attn_v.weight", (K, D)),
+            attn_norm=vector(f, p + "attn_norm.weight", D) if arch.pre_norms else None,
             attn_output=tensor(f, p + "attn_output.weight", (D, Q)),
-            ffn_norm=vector(f, p + "ffn_norm.weight", D),
-            ffn_gate=tensor(f, p + "ffn_gate.weight", (F, D)),
-            ffn_up=tensor(f, p + "ffn_up.weight", (F, D)),
-            ffn_down=tensor(f, p + "ffn_down.weight", (D, F)),
+            ffn_norm=vector(f, p + arch.ffn_norm_name + ".weight", D) if arch.pre_norms and not arch.parallel else None,
             **extra,
         )
     token_embd = tensor(f, "token_embd.weight", (V, D))
@@ -173,7 +241,10 @@ def load_weights(f: GGUFFile, cfg: ModelConfig, layers: range) -> Weights:
         output = tensor(f, "output.weight", (V, D))
     elif cfg.arch.tied_output:
         output = token_embd
-    rope_freqs = vector(f, "rope_freqs.weight", cfg.rope_dim // 2) if "rope_freqs.weight" in f.tensors else None
+    factors = "rope_freqs.weight"
+    if arch.longrope and factors not in f.tensors:  # llama.cpp `get_rope_factors`: rope_freqs first
+        factors = "rope_factors_long.weight" if cfg.long_factors() else "rope_factors_short.weight"
+    rope_freqs = vector(f, factors, cfg.rope_dim // 2) if factors in f.tensors else None
     return Weights(
         token_embd=token_embd,
         layers=blocks,
@@ -181,3 +252,25 @@ def load_weights(f: GGUFFile, cfg: ModelConfig, layers: range) -> Weights:
         output=output,
         rope_freqs=rope_freqs,
     )
+
+
+def expert_tensors(f: GGUFFile, cfg: ModelConfig, p: str) -> dict[str, QuantTensor | ExpertTensor | np.ndarray]:
+    """The router, the stacked experts and the shared expert of one mixture-of-experts layer (prefix `p`), with
+    the tensor names and shapes of llama.cpp's loaders (src/models/qwen3moe.cpp, qwen2moe.cpp, openai-moe.cpp)."""
+    D, X, Fe, Fs = cfg.dim, cfg.n_experts, cfg.expert_hidden_dim, cfg.shared_hidden_dim
+    moe = cfg.arch.moe
+    out: dict[str, QuantTensor | ExpertTensor | np.ndarray] = {}
+    out["ffn_gate_inp"] = tensor(f, p + "ffn_gate_inp.weight", (X, D))
+    if moe.biases:
+        out["ffn_gate_inp_bias"] = vector(f, p + "ffn_gate_inp.bias", X)
+    for name, shape in (("ffn_gate_exps", (X, Fe, D)), ("ffn_up_exps", (X, Fe, D)), ("ffn_down_exps", (X, D, Fe))):
+        t = tensor(f, p + name + ".weight", shape)
+        bias = tensor(f, p + name + ".bias", shape[:2]).dequantize() if moe.biases else None  # (X, out)
+        out[name] = ExpertTensor.view(t.name, t.type, shape, t.raw, bias)
+    if Fs:  # a shared expert (`MoE.shared_expert`; the config sets Fs to 0 where there is none)
+        for name, shape in (("ffn_gate_shexp", (Fs, D)), ("ffn_up_shexp", (Fs, D)), ("ffn_down_shexp", (D, Fs))):
+            out[name] = tensor(f, p + name + ".weight", shape)
+    if moe.shared_gate is not None:  # stored (D,): held as the one-row matrix llama.cpp multiplies by (`build_lora_mm`)
+        g = tensor(f, p + "ffn_gate_inp_shexp.weight", (D,))
+        out["ffn_gate_inp_shexp"] = QuantTensor(g.name, g.type, (1, D), g.raw)
+    return out

@@ -207,3 +207,11 @@ def test_load_default_model_is_smollm2():
     model = ggufpy.load()
     assert model.config.arch.name == "llama" and model.config.n_layers == 30
     assert model.tokenizer is not None and model.tokenizer.vocab_size == 49152
+
+
+def test_cli_numerics_choices_are_the_numerics_modes():
+    """The command line lists the modes without importing NumPy; it must name exactly `NUMERICS`'s."""
+    from ggufpy.cli import NUMERICS_MODES
+    from ggufpy.numerics import NUMERICS
+
+    assert set(NUMERICS_MODES) == set(NUMERICS)

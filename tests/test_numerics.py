@@ -52,9 +52,7 @@ def _rel(a: np.ndarray, b: np.ndarray) -> float:
 
 def test_every_weight_type_has_a_vec_dot_type():
     storage = {GGMLType.I8, GGMLType.I16, GGMLType.I32, GGMLType.F64}
-    # issue 12's types: llama.cpp's vec_dot for them is not replayed yet (ggufpy/quants/x86)
-    pending = {t for t in QUANT_TYPES if t.name in ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S")}
-    pending |= {t for t in QUANT_TYPES if t.name in ("IQ1_M", "TQ1_0", "TQ2_0", "MXFP4", "NVFP4", "Q1_0")}
+    pending: set[GGMLType] = set()  # issue 12's types: all replayed (ggufpy/quants/x86)
     assert set(VEC_DOT_TYPE) == set(QUANT_TYPES) - ACTIVATION_FORMATS - storage - pending
     assert {VEC_DOT_TYPE[t] for t in (T.Q4_0, T.Q5_0, T.Q8_0, T.IQ4_NL)} == {T.Q8_0}
     assert {VEC_DOT_TYPE[t] for t in (T.Q4_1, T.Q5_1)} == {T.Q8_1}

@@ -52,6 +52,7 @@ FP16_FIELDS: dict[GGMLType, tuple[int, ...]] = {
     GGMLType.IQ1_S: (0,),
     GGMLType.TQ1_0: (52,),
     GGMLType.TQ2_0: (64,),
+    GGMLType.Q1_0: (0,),
 }
 
 

@@ -91,7 +91,7 @@ def test_config_from_metadata_fills_defaults():
         ({"llama.rope.freq_base": math.nan}, "llama.rope.freq_base = nan: must be finite and >= 1 in float32"),
         ({"llama.attention.layer_norm_rms_epsilon": 0}, "layer_norm_rms_epsilon = 0: must be finite and > 0"),
         ({"llama.rope.scaling.factor": math.inf}, "llama.rope.scaling.factor = inf"),
-        ({"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0}, "must be 'none' or 'linear'"),
+        ({"llama.rope.scaling.type": "dynamic"}, "must be one of none, linear, yarn, longrope"),
     ],
 )
 def test_config_refuses_bad_hyperparameters(edit, fragment):

@@ -61,10 +61,23 @@ def test_serve_process(tiny_llama_path):
             assert time.monotonic() < deadline, "no /health answer within 120 s"
             time.sleep(0.2)
         assert httpx.get(url + "/v1/models").json()["data"][0]["id"] == tiny_llama_path.stem
-        r = httpx.post(url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 3, "temperature": 0})
+        body = {"prompt": [1, 2, 3], "max_tokens": 3, "temperature": 0}
+        r = httpx.post(url + "/v1/completions", json=body, timeout=300)  # a cold numba cache compiles first
         assert r.status_code == 200 and 1 <= r.json()["usage"]["completion_tokens"] <= 3
-        long = httpx.post(url + "/v1/completions", json={"prompt": [1] * 40})
+        long = httpx.post(url + "/v1/completions", json={"prompt": [1] * 40}, timeout=60)
         assert long.status_code == 400 and "40 tokens" in long.json()["error"]["message"]
     finally:
         proc.terminate()
         proc.wait(20)
+
+
+def test_chat_template_flag(tiny_llama, tmp_path):
+    """--chat-template: a built-in's name, a Jinja file, or an error naming what is wrong."""
+    assert parse(["--chat-template", "chatml"]).chat_template == "chatml"
+    assert serve._template(None, tiny_llama.tokenizer) is None
+    assert serve._template("chatml", tiny_llama.tokenizer).name == "chatml"
+    path = tmp_path / "t.jinja"
+    path.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert serve._template(str(path), tiny_llama.tokenizer).render([{"role": "user", "content": "hi"}]) == "hi"
+    with pytest.raises(ValueError, match="unknown chat template 'nope'"):
+        serve._template("nope", tiny_llama.tokenizer)

@@ -11,8 +11,9 @@ Two oracles:
   magnitudes the fixtures do not reach (E = 64, 80, 128; scores spread enough that exp underflows).
 Plus ggml's exported `ggml_vec_soft_max_f32` for the exp and the double sum alone, and glibc's `tanhf`.
 
-Those need llama-cpp-python; `test_golden` replays a recording of llama.cpp's outputs without it. Record it
-again (after a llama.cpp upgrade) with `python tests/test_x86_attention.py`.
+Those need llama-cpp-python and compare with the replay of the build it was compiled for (`HOST`: AVX-512 or
+AVX2). `test_golden` replays a recording of llama.cpp's outputs (AVX-512 build) without it. Record it again
+(after a llama.cpp upgrade, on an AVX-512 machine) with `python tests/test_x86_attention.py`.
 """
 
 from __future__ import annotations
@@ -28,13 +29,25 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ggufpy.quants.x86.attention import attention, attention_parts, n_kv_cells, vec_soft_max_f32
-from ggufpy.quants.x86.unary import tanhf_glibc, v_expf_512
+from ggufpy.quants.x86.unary import V_EXPF, tanhf_glibc
 
 GOLDEN = Path(__file__).parent / "data" / "x86" / "attention.npz"
 FIXTURES = Path(__file__).parent.parent / "conformance" / "fixtures"
 MODELS = ("f32", "q8_0", "gemma2_f32", "gemma3_f32", "qwen3_f32")
 
 f32 = np.float32
+
+
+def _host_isa() -> str:
+    """The build the installed llama.cpp replays as (`conformance.llamacpp.host_isa`); AVX-512 without it."""
+    try:
+        from conformance.llamacpp import available, host_isa
+    except ImportError:
+        return "avx512"
+    return host_isa() if available() else "avx512"
+
+
+HOST = _host_isa()
 
 
 def _bits_equal(a: np.ndarray, b: np.ndarray) -> bool:
@@ -231,7 +244,7 @@ def test_prompt_vs_llamacpp(llama_models, name, T):
     _, cap = llama_models[name].run(np.random.default_rng(T).integers(0, cfg.vocab_size, T), _capture_names(cfg))
     for il in range(cfg.n_layers):
         q, k, v, scale, extra = _layer_inputs(cfg, cap, il)
-        parts = attention_parts(q, k, v, 0, scale, **extra)
+        parts = attention_parts(q, k, v, 0, scale, **extra, isa=HOST)
         assert parts["kq"].shape[-1] == (256 if T <= 256 else 512)
         assert _compare_layer(cfg, cap, il, parts) == {"kq": 0, "kq_soft_max": 0, "kqv_out": 0}, f"layer {il}"
 
@@ -251,7 +264,7 @@ def test_incremental_vs_llamacpp(llama_models, name, chunks):
             q, k, v, scale, extra = _layer_inputs(cfg, cap, il)
             ks.append(k)
             vs.append(v)
-            parts = attention_parts(q, np.concatenate(ks), np.concatenate(vs), start, scale, **extra)
+            parts = attention_parts(q, np.concatenate(ks), np.concatenate(vs), start, scale, **extra, isa=HOST)
             bad = _compare_layer(cfg, cap, il, parts)
             assert bad == {"kq": 0, "kq_soft_max": 0, "kqv_out": 0}, f"layer {il} start {start}"
 
@@ -285,11 +298,11 @@ def _attention_case(draw):
 def test_attention_vs_ggml_graph(case):
     pytest.importorskip("llama_cpp")
     q, k, v, start, scale, window, softcap = case
-    ours = attention_parts(q, k, v, start, scale, window, softcap)
+    ours = attention_parts(q, k, v, start, scale, window, softcap, isa=HOST)
     theirs = ggml_attention(q, k, v, start, scale, window, softcap)
     for key in ("kq", "kq_soft_max", "kqv_out"):
         assert _bits_equal(ours[key], theirs[key]), f"{key}: {_mismatches(ours[key], theirs[key])} differ"
-    assert _bits_equal(attention(q, k, v, start, scale, window, softcap), theirs["kqv_out"])
+    assert _bits_equal(attention(q, k, v, start, scale, window, softcap, isa=HOST), theirs["kqv_out"])
 
 
 def test_attention_real_shape_vs_ggml_graph():
@@ -301,7 +314,7 @@ def test_attention_real_shape_vs_ggml_graph():
     q = (rng.standard_normal((T, H, E)) * 2).astype(f32)
     k = (rng.standard_normal((start + T, G, E)) * 2).astype(f32)
     v = rng.standard_normal((start + T, G, E)).astype(f32)
-    ours = attention_parts(q, k, v, start, f32(1) / np.sqrt(f32(E)))
+    ours = attention_parts(q, k, v, start, f32(1) / np.sqrt(f32(E)), isa=HOST)
     for threads in (1, 2):
         theirs = ggml_attention(q, k, v, start, f32(1) / np.sqrt(f32(E)), n_threads=threads)
         for key in ("kq", "kq_soft_max", "kqv_out"):
@@ -323,7 +336,7 @@ def test_vec_soft_max_vs_ggml(n, spread):
     x[3, rng.integers(0, n, n // 4)] = -np.inf
     x[5] = 0
     mx = x.max(axis=1)
-    y, total = vec_soft_max_f32(x, mx)
+    y, total = vec_soft_max_f32(x, mx, HOST)
     for r in range(x.shape[0]):
         yr = np.zeros(n, f32)
         s = cpu.ggml_vec_soft_max_f32(n, yr.ctypes.data, np.ascontiguousarray(x[r]).ctypes.data, float(mx[r]))
@@ -342,7 +355,8 @@ def test_v_expf_vs_ggml_dense():
         x = np.ascontiguousarray(chunk[: chunk.size - chunk.size % 16]).view(f32)
         y = np.empty_like(x)
         cpu.ggml_vec_soft_max_f32(x.size, y.ctypes.data, x.ctypes.data, 0.0)
-        assert _bits_equal(v_expf_512(x), y), f"{_mismatches(v_expf_512(x), y)} of {x.size} differ"
+        ours = V_EXPF[HOST][0](x)
+        assert _bits_equal(ours, y), f"{_mismatches(ours, y)} of {x.size} differ"
 
 
 def _libm_tanhf():

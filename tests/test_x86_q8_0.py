@@ -8,8 +8,10 @@ llamafile on, so it picks tinyBLAS or vec_dot exactly as llama.cpp does for that
 weight lives in the CPU_REPACK buffer and the op runs repack.cpp's `forward_mul_mat` (activation quantization
 4 rows at a time, gemm, gemv), as in a model llama.cpp loads with its default `use_extra_bufts`.
 
-Those tests need llama-cpp-python; `test_golden` replays a recording of ggml's outputs without it. Record it
-again (after a llama.cpp upgrade) with `python tests/test_x86_q8_0.py`.
+Those tests need llama-cpp-python, and compare with the replay of the build it was compiled for (`HOST`: float
+types run 16 lanes wide on AVX-512, 8 on AVX2); `test_golden` replays a recording of ggml's outputs (AVX-512
+build) without it. Record it again (after a llama.cpp upgrade, on an AVX-512 machine) with
+`python tests/test_x86_q8_0.py`.
 """
 
 from __future__ import annotations
@@ -68,10 +70,23 @@ def kernel_input(x: np.ndarray, ggml_type: GGMLType) -> np.ndarray:
     return quantize_activations(x, GGMLType.Q8_0)
 
 
-def ours(w_bytes: np.ndarray, ggml_type: GGMLType, a: np.ndarray, repack: bool) -> np.ndarray:
+def _host_isa() -> str:
+    try:
+        from conformance.llamacpp import available, host_isa
+    except ImportError:
+        return "avx512"
+    return host_isa() if available() else "avx512"
+
+
+HOST = _host_isa()  # the build the installed llama.cpp replays as; the goldens' AVX-512 without it
+
+
+def ours(w_bytes: np.ndarray, ggml_type: GGMLType, a: np.ndarray, repack: bool, isa: str = HOST) -> np.ndarray:
     if ggml_type in REPACKABLE:
         return repack_q8_0.KERNELS[ggml_type](w_bytes, a, repack=repack)
-    return {**llamafile.KERNELS, **floats.KERNELS}[ggml_type](w_bytes, a)
+    if ggml_type in FLOAT_TYPES:
+        return floats.KERNELS[ggml_type](w_bytes, a, isa=isa)
+    return llamafile.KERNELS[ggml_type](w_bytes, a)
 
 
 def weight_bytes(w: np.ndarray, ggml_type: GGMLType) -> np.ndarray:
@@ -230,7 +245,7 @@ def test_golden():
     assert names == sorted(c[0] for c in GOLDEN_CASES)
     for name in names:
         ggml_type = GGMLType(int(data[f"{name}.type"]))
-        got = ours(data[f"{name}.w"], ggml_type, data[f"{name}.a"], bool(data[f"{name}.repack"]))
+        got = ours(data[f"{name}.w"], ggml_type, data[f"{name}.a"], bool(data[f"{name}.repack"]), isa="avx512")
         want = data[f"{name}.y"]
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), name
 

@@ -15,7 +15,10 @@ import sys
 from .. import __version__
 from ..errors import GGUFError
 
-COMMANDS = ["inspect", "run", "chat", "trace", "bench", "perplexity", "serve"]
+COMMANDS = ["inspect", "run", "chat", "trace", "bench", "perplexity", "quantize", "imatrix", "diff", "serve"]
+
+# `ggufpy.numerics.NUMERICS`'s names, here so that building the parser imports no NumPy (tests/test_cli_run.py)
+NUMERICS_MODES = ("exact", "llamacpp", "llamacpp-avx2")
 
 EXIT_ERROR = 2  # the same code argparse uses for a bad command line
 
@@ -33,6 +36,22 @@ def build_parser() -> argparse.ArgumentParser:
     for name in COMMANDS:
         importlib.import_module(f"{__name__}.{name}").register(subparsers)
     return parser
+
+
+def note_numerics(mode: str) -> None:
+    """One stderr line when `--numerics llamacpp` (the replay of llama.cpp's AVX-512 build, the goldens') is asked
+    on a CPU whose llama.cpp runs the AVX2 kernels, which round differently (docs/conformance.md)."""
+    if mode != "llamacpp":
+        return
+    from ..numerics import host_llamacpp_mode
+
+    host = host_llamacpp_mode()
+    if host != mode:
+        print(
+            f"ggufpy: note: --numerics llamacpp replays llama.cpp's AVX-512 build; this CPU has no AVX-512, and "
+            f"the llama.cpp it runs is replayed by --numerics {host}",
+            file=sys.stderr,
+        )
 
 
 def error(message: object) -> int:

@@ -13,6 +13,8 @@ import os
 import subprocess
 import sys
 
+from . import NUMERICS_MODES, note_numerics
+
 # llama.cpp in a child process, mirroring `ggufpy.kernels.bench.run_child` for ggufpy
 _LLAMACPP_CHILD = """
 import json, sys, time
@@ -42,6 +44,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--against-llamacpp", action="store_true", help="also time llama.cpp (llama-cpp-python)")
     p.add_argument("--rounds", type=int, default=1, help="runs per engine; the best is kept")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.add_argument(
+        "--numerics",
+        default="exact",
+        choices=NUMERICS_MODES,
+        help="the ggufpy engines' numerics (default exact)",
+    )
+    p.add_argument(
+        "--server",
+        action="store_true",
+        help="aggregate decode throughput of `ggufpy serve` and llama-cpp-python's server with --streams clients",
+    )
+    p.add_argument("--streams", type=int, nargs="+", default=[1, 4, 8], help="concurrent clients (--server)")
     p.set_defaults(func=run)
 
 
@@ -66,7 +80,10 @@ def run(args: argparse.Namespace) -> int:
     from ..loading import resolve_model_path
 
     path = resolve_model_path(args.model)
+    if args.server:
+        return _servers(path, args)
     n_prompt, n_decode = args.prompt_tokens, args.gen_tokens
+    note_numerics(args.numerics)
     results: dict[str, dict] = {}
     engines = list(args.backend)
     if args.against_llamacpp:
@@ -80,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
             if engine == "llama.cpp":
                 r = _llamacpp_child(path, args.threads, n_prompt, n_decode)
             else:
-                r = bench.run_child(path, engine, args.threads, n_prompt, n_decode)
+                r = bench.run_child(path, engine, args.threads, n_prompt, n_decode, numerics=args.numerics)
             results.setdefault(engine, []).append(r)
     best = {engine: _best(runs) for engine, runs in results.items()}
     ref = best.get("llama.cpp")
@@ -103,4 +120,22 @@ def run(args: argparse.Namespace) -> int:
             f"| {engine} | {r['load_s']:.2f} | {r['prefill']:.1f} | {r['decode']:.1f} | {r['peak_rss'] / 2**20:.0f} "
             f"| {r['rss_over_file']:.2f} | {' | '.join(ratios)} |"
         )
+    return 0
+
+
+def _servers(path, args: argparse.Namespace) -> int:
+    """`--server`: both servers on the same model and threads, one run, ratios printed (docs/server.md)."""
+    from ..kernels import bench
+    from ..server import bench as server_bench
+
+    if not bench.llamacpp_available():
+        print("ggufpy: error: --server needs llama-cpp-python's server (pip install 'llama-cpp-python[server]')",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    results = server_bench.run(path, args.streams, args.gen_tokens, args.threads)
+    if args.json:
+        print(json.dumps({"model": str(path), "threads": args.threads, "gen_tokens": args.gen_tokens, **results}))
+        return 0
+    print(f"{path.name}: {args.gen_tokens} tokens per request, {args.threads} threads, concurrent clients")
+    print(server_bench.table(results))
     return 0

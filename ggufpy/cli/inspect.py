@@ -87,6 +87,7 @@ def describe(f: GGUFFile) -> dict[str, Any]:
         "parameters_human": human_count(total_params),
         "tensor_bytes": total_bytes,
         "bits_per_weight": _bpw(total_bytes, total_params),
+        "experts": experts(f, total_params),
         "tensors": [
             {
                 "name": t.name,
@@ -99,6 +100,27 @@ def describe(f: GGUFFile) -> dict[str, Any]:
             }
             for t in f.tensors.values()
         ],
+    }
+
+
+def experts(f: GGUFFile, total_params: int) -> dict[str, Any] | None:
+    """A mixture of experts' sizes (llama.cpp LLM_KV_EXPERT_* keys), or None for a dense model. Each token runs
+    `used` of the `count` experts of the stacked `*_exps` tensors: the rest of their parameters sit idle."""
+    arch = f.architecture
+    count = f.metadata.get(f"{arch}.expert_count")
+    if not count:
+        return None
+    used = f.metadata.get(f"{arch}.expert_used_count")
+    stacked = sum(t.n_elements for t in f.tensors.values() if t.name.rsplit(".", 1)[0].endswith("_exps"))
+    active = total_params - stacked + stacked * (used or 0) // count
+    return {
+        "count": count,
+        "used": used,
+        "feed_forward_length": f.metadata.get(f"{arch}.expert_feed_forward_length"),
+        "shared_feed_forward_length": f.metadata.get(f"{arch}.expert_shared_feed_forward_length"),
+        "shared_count": f.metadata.get(f"{arch}.expert_shared_count"),
+        "active_parameters": active,
+        "active_parameters_human": human_count(active),
     }
 
 
@@ -167,6 +189,9 @@ def format_text(report: dict[str, Any], tensors: bool = False) -> str:
         f"parameters: {report['parameters_human']} ({report['parameters']:,})",
         f"bits per weight: {report['bits_per_weight']:.2f} ({report['tensor_bytes']:,} tensor bytes)",
     ]
+    if report["experts"]:
+        e = report["experts"]
+        lines.insert(-1, f"active per token: {e['active_parameters_human']} ({e['active_parameters']:,})")
     if tensors:
         lines += ["", f"tensors ({report['tensor_count']}; shapes in NumPy order, outermost first)"]
         lines += _tensor_table(report)
@@ -191,6 +216,12 @@ def _header(r: dict[str, Any]) -> list[str]:
     for label, key in (("architecture", "architecture"), ("name", "name"), ("blocks", "block_count")):
         if r[key] is not None:
             rows.append((label, str(r[key])))
+    if r["experts"]:
+        e = r["experts"]
+        widths = [f"width {e['feed_forward_length']}"] if e["feed_forward_length"] else []
+        if e["shared_feed_forward_length"]:
+            widths.append(f"shared expert width {e['shared_feed_forward_length']}")
+        rows.append(("experts", f"{e['count']}, {e['used']} used per token" + "".join(f", {w}" for w in widths)))
     lines = [f"{k + ':':<14}{v}" for k, v in rows]
     if len(r["parts"]) > 1:
         lines.append("")

@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from . import NUMERICS_MODES, note_numerics
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -22,7 +24,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("-c", "--ctx", type=int, default=512, help="tokens per chunk (default 512, as llama.cpp)")
     p.add_argument("--chunks", type=int, default=None, help="score at most this many chunks")
     p.add_argument("--backend", default=None, help="numpy or numba (default: numba when installed)")
-    p.add_argument("--numerics", default="exact", choices=["exact", "llamacpp"], help="numerics mode (default exact)")
+    p.add_argument("--numerics", default="exact", choices=NUMERICS_MODES, help="numerics mode (default exact)")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--save-logits", metavar="FILE", help="save log-probabilities (llama.cpp's KL base format)")
     group.add_argument("--kl-base", metavar="FILE", help="KL-divergence against a saved base")
@@ -37,6 +39,7 @@ def run(args: argparse.Namespace) -> int:
     from ..loading import load
     from ..perplexity import LogitsFile, default_text, kl_divergence, make_chunks, perplexity
 
+    note_numerics(args.numerics)
     model = load(args.model, backend=args.backend, numerics=args.numerics)
     if args.kl_base:
         base = LogitsFile.open(args.kl_base)

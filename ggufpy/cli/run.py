@@ -99,7 +99,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the chat template")
     p.add_argument("--system", default=None, help="a system message (with --chat)")
     add_model_args(p)
+    add_ray_args(p)
     p.set_defaults(func=run)
+
+
+def add_ray_args(p: argparse.ArgumentParser) -> None:
+    """Pipeline-parallel runs on a Ray cluster (docs/distributed.md)."""
+    g = p.add_argument_group("Ray cluster (pip install 'ggufpy[ray]'; docs/distributed.md)")
+    g.add_argument(
+        "--ray", metavar="ADDRESS", default=None, help="run the layers as stages on this Ray cluster (ray://host:10001)"
+    )
+    g.add_argument("--stages", type=_number(int, 1), default=None, help="stages (default: one per node)")
+    g.add_argument("--layer-ranges", default=None, metavar="0-14,15-29", help="explicit stage layers, inclusive")
+    g.add_argument(
+        "--hidden-f16", action="store_true", help="send hidden states as float16 (half the bytes, not bit-identical)"
+    )
 
 
 def clean_text(text: str, what: str) -> str:
@@ -114,12 +128,40 @@ def clean_text(text: str, what: str) -> str:
 
 
 def load_model(args: argparse.Namespace):
-    """The model and its load time."""
+    """The model (a `RayPipeline` with --ray) and its load time."""
     from ..loading import load
 
     t0 = time.perf_counter()
-    model = load(args.model, backend=args.backend)  # None: numba when it imports, else numpy
+    if getattr(args, "ray", None):
+        model = load_pipeline(args)
+    else:
+        model = load(args.model, backend=args.backend)  # None: numba when it imports, else numpy
     return model, time.perf_counter() - t0
+
+
+def load_pipeline(args: argparse.Namespace, max_sequences: int = 1):
+    """A `RayPipeline` for `max_sequences` sequences of --ctx-size positions (default: the model's context)."""
+    try:
+        from ..distributed import PlanError, RayPipeline
+    except ImportError as e:
+        raise UsageError(f"--ray needs the ray extra (pip install 'ggufpy[ray]'): {e}") from None
+    from ..shard import read_config
+
+    if args.stages is not None and args.layer_ranges is not None:
+        raise UsageError("give --stages or --layer-ranges, not both")
+    try:
+        return RayPipeline(
+            args.model,
+            address=args.ray,
+            stages=args.stages,
+            ranges=args.layer_ranges,
+            backend=args.backend or "numba",
+            ctx_size=min(args.ctx_size or 1 << 62, read_config(args.model).context_length),
+            max_sequences=max_sequences,
+            hidden_dtype="float16" if args.hidden_f16 else "float32",
+        )
+    except PlanError as e:
+        raise UsageError(f"--ray: {e}") from None
 
 
 def prepare_kernels(model, prompt_tokens: int | None = None, out=None) -> float:
@@ -257,10 +299,32 @@ def run(args: argparse.Namespace) -> int:
         ids = tok.encode(prompt, add_special=True, parse_special=args.special_in_content)
     if not ids:
         raise UsageError("the prompt is empty and this model adds no BOS token to start from: give some text")
-    cache = model.new_cache(capacity=context_size(model, args))
-    setup_s = prepare_kernels(model, len(ids))
-    result = stream(model, ids, args, sampling_params(args, CHAT_TEMP if args.chat else COMPLETION_TEMP), cache).result
+    sampling = sampling_params(args, CHAT_TEMP if args.chat else COMPLETION_TEMP)
+    if args.ray:
+        try:
+            result = stream_pipeline(model, ids, args, sampling)
+        finally:
+            model.shutdown()
+        name = f"ray, {len(model.plan)} stages, {model.backend_name}"
+        setup_s = 0.0  # the stages prepared their kernels while loading
+    else:
+        cache = model.new_cache(capacity=context_size(model, args))
+        setup_s = prepare_kernels(model, len(ids))
+        result = stream(model, ids, args, sampling, cache).result
+        name = model.backend.name
     if not result.text.endswith("\n"):
         print()
-    report(result, load_s, setup_s, model.backend.name)
+    report(result, load_s, setup_s, name)
     return 0
+
+
+def stream_pipeline(pipe, prompt_ids, args, sampling, out=None):
+    """`stream` through a `RayPipeline` (its last stage samples); returns the `GenerationResult`."""
+    if len(prompt_ids) >= pipe.ctx_size:
+        raise UsageError(f"the prompt has {len(prompt_ids)} tokens and the context holds {pipe.ctx_size} (--ctx-size)")
+    out = out or sys.stdout
+    gen = pipe.stream(prompt_ids, max_tokens=args.max_tokens, sampling=sampling, stop=args.stop)
+    for chunk in gen:
+        out.write(chunk.text)
+        out.flush()
+    return gen.result

@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .run import add_ray_args, load_pipeline
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API", description=__doc__)
@@ -19,6 +21,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--ctx-size", type=int, default=2048, help="KV positions per slot (default 2048)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health")
     p.add_argument("--alias", default=None, help="model id in /v1/models (default: the file's name)")
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="NAME|FILE",
+        help="a built-in chat template (chatml, llama3, ...) or a Jinja file, instead of the model's (docs/server.md)",
+    )
+    add_ray_args(p)
     p.set_defaults(func=run)
 
 
@@ -38,10 +47,43 @@ def run(args: argparse.Namespace) -> int:
 
         return error(f"--parallel {args.parallel} and --ctx-size {args.ctx_size} must be at least 1")
     path = resolve_model_path(args.model)
-    model = load(path, backend=args.backend)
+    if args.ray:  # the layers as stages on a Ray cluster (docs/distributed.md); two sequences per slot in flight
+        args.model = str(path)
+        model = load_pipeline(args, max_sequences=2 * args.parallel)
+    else:
+        model = load(path, backend=args.backend)
     ctx = min(args.ctx_size, model.config.context_length)
     alias = args.alias or path.stem
-    app = create_app(model, parallel=args.parallel, ctx_size=ctx, api_key=args.api_key, model_id=alias)
+    from jinja2 import TemplateError
+
+    try:
+        template = _template(args.chat_template, model.tokenizer)
+    except (OSError, ValueError, TemplateError) as e:
+        from . import error
+
+        return error(f"--chat-template {args.chat_template}: {e}")
+    app = create_app(
+        model, parallel=args.parallel, ctx_size=ctx, api_key=args.api_key, model_id=alias, chat_template=template
+    )
     print(f"ggufpy serve: {alias} on http://{args.host}:{args.port} ({args.parallel} slots x {ctx})", file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    finally:
+        if args.ray:
+            model.shutdown()
     return 0
+
+
+def _template(name: str | None, tokenizer):
+    """`--chat-template`: None (the model's own), a file holding a Jinja template, or a built-in's name."""
+    from pathlib import Path
+
+    from ..chat import ChatTemplate
+
+    if name is None:
+        return None
+    if Path(name).is_file():
+        bos = tokenizer.piece(tokenizer.bos_id) if tokenizer.bos_id is not None else ""
+        eos = tokenizer.piece(tokenizer.eos_id) if tokenizer.eos_id is not None else ""
+        return ChatTemplate(Path(name).read_text(encoding="utf-8"), bos, eos, name=name)
+    return ChatTemplate.by_name(name, tokenizer)

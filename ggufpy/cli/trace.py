@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
+from . import NUMERICS_MODES, note_numerics
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -23,7 +25,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("file", metavar="FILE", help="a GGUF file, or a packaged model's short name: smollm2, gemma3")
     p.add_argument("-p", "--prompt", required=True, help="the text to run")
-    p.add_argument("--numerics", default="exact", choices=["exact", "llamacpp"], help="numerics mode (default exact)")
+    p.add_argument(
+        "--numerics",
+        default="exact",
+        choices=NUMERICS_MODES,
+        help="numerics mode (default exact; with --against-llamacpp, llamacpp means the build compared with)",
+    )
     p.add_argument("--backend", default="numpy", choices=["numpy", "numba"], help="backend (default: the reference)")
     p.add_argument("--against-llamacpp", action="store_true", help="add each tensor's NMSE against llama.cpp")
     p.add_argument("--grep", default=None, help="show only tensors whose name contains this text")
@@ -56,6 +63,14 @@ def run(args: argparse.Namespace) -> int:
 
     path = resolve_model_path(args.file)
     llamacpp = _llamacpp_module() if args.against_llamacpp else None
+    if llamacpp is not None and args.numerics.startswith("llamacpp"):  # replay the build it is compared with
+        from conformance.llamacpp import versions
+
+        from ..numerics import llamacpp_mode
+
+        args.numerics = llamacpp_mode(versions()["system_info"])
+    else:
+        note_numerics(args.numerics)
     model = load(path, backend=args.backend, numerics=args.numerics, tokenizer=llamacpp is None)
     if llamacpp is not None:  # llama.cpp's own token ids, so both runs see the same input
         with llamacpp.LlamaCpp(path) as lc:

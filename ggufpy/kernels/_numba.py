@@ -1,4 +1,5 @@
-"""The only module that imports numba: compilation options and thread control for every kernel.
+"""Compilation options and thread control for every kernel: with `int8ir.py` and `int8ir_x8.py` (the LLVM IR of
+the integer dot products, written against numba's intrinsic API), the only modules that import numba.
 
 Kernels are compiled lazily on first call and cached on disk (`cache=True`, in `__pycache__` next to the
 source, or `NUMBA_CACHE_DIR`). With `NUMBA_DISABLE_JIT=1` the same functions run as plain Python (`prange`

@@ -27,7 +27,7 @@ from ..constants import GGMLType
 from ..numerics import NUMERICS, Numerics, attention_ggml, rope_ggml
 from ..weights import QuantTensor
 from . import activations as act
-from . import glue_ggml
+from . import glue_ggml, int8dot
 from . import ops as kernel_ops
 from ._numba import set_threads
 from .attention import attention as _attention
@@ -145,7 +145,9 @@ class NumbaBackend:
     on (prefill), weights are unpacked into dense f32 tiles and multiplied with BLAS, and attention is
     NumPy's (None: always the fused kernels). `x86_activations`: quantize Q8_0/Q8_1 activations
     like llama.cpp's AVX code (True) or like ggml's scalar reference (False). `release_pages`: return a
-    weight's file pages to the OS once it is repacked, so the model is resident once, not twice.
+    weight's file pages to the OS once it is repacked, so the model is resident once, not twice. `int8`: in
+    the llamacpp numerics, multiply the types of `int8dot.INT8_TYPES` with integer dot products over the
+    GGUF rows as stored (bit-identical to the NumPy backend's replay of ggml), not the f32-lane kernels.
     """
 
     name = "numba"
@@ -159,6 +161,7 @@ class NumbaBackend:
         adaptive: bool = True,
         x86_activations: bool = True,
         release_pages: bool = True,
+        int8: bool = True,
     ):
         self.numerics = numerics
         self.threads = set_threads(threads)
@@ -167,9 +170,11 @@ class NumbaBackend:
         self.blas_rows = blas_rows
         self.x86_activations = x86_activations
         self.release_pages = release_pages
+        self.int8 = int8
         self._packed: dict[QuantTensor, Packed] = {}  # keyed by identity (QuantTensor has eq=False)
         self._plans: dict[QuantTensor, tuple] = {}
         self._stacks: dict[tuple[QuantTensor, ...], list] = {}  # linears(): weights stacked by type
+        self._int8: dict[QuantTensor, int8dot.Int8Weight | None] = {}  # llamacpp numerics: integer kernels
         self._tile = np.empty(0, np.float32)
 
     # -- the Backend contract ------------------------------------------------------------------------------
@@ -180,6 +185,9 @@ class NumbaBackend:
             raise ValueError(f"{w.name}: activations of shape {x.shape} do not fit a weight of shape {w.shape}")
         if w.type in FLOAT_TYPES:
             return self._float_linear(x, w)
+        iw = self.int8_weight(w)
+        if iw is not None:
+            return int8dot.linear(x, iw, self._threads_for(x.shape[0] * iw.rows * iw.cols))
         p = self.packed(w)
         planned = self._plans.get(w)
         if planned is None:
@@ -194,10 +202,17 @@ class NumbaBackend:
         separate packed forms become views of it, so memory does not grow): one kernel call then covers all
         of them, which saves the per-call cost and balances small matrices over the threads. A mix (Q and K
         in Q5_0, V in Q8_0) stacks what it can."""
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        integer = [self.int8_weight(w) is not None for w in ws]
+        if all(integer):
+            return self._int8_linears(x, ws)
+        if any(integer):  # a mix (Q4_K with rows % 8 != 0 beside others): each kind on its own path
+            ys = iter(self._int8_linears(x, tuple(w for w, i in zip(ws, integer, strict=True) if i)))
+            rest = iter(self.linears(x, tuple(w for w, i in zip(ws, integer, strict=True) if not i)))
+            return [next(ys) if i else next(rest) for i in integer]
         groups = self._stacks.get(ws)
         if groups is None:
             groups = self._stacks[ws] = self._stack_groups(ws)
-        x = np.ascontiguousarray(x, dtype=np.float32)
         out: list[np.ndarray | None] = [None] * len(ws)
         for members, stack in groups:
             if stack is None:
@@ -211,6 +226,29 @@ class NumbaBackend:
             y = self._product(x, p, planned)  # (T, G*64) over the stacked groups
             for i, (lo, rows) in zip(members, spans, strict=True):
                 out[i] = y[:, lo : lo + rows]
+        return out
+
+    def int8_weight(self, w: QuantTensor) -> int8dot.Int8Weight | None:
+        """The integer-kernel form of `w` in the llamacpp numerics (`int8dot`: ggml's integer block dots over
+        the GGUF rows as stored, bit-identical to the NumPy backend's replay), else None."""
+        if not (self.int8 and self.numerics.x86_kernels and self.x86_activations):  # ggml's x86 rounding only
+            return None
+        if w not in self._int8:
+            self._int8[w] = int8dot.weight(w)
+        return self._int8[w]
+
+    def _int8_linears(self, x: np.ndarray, ws: tuple[QuantTensor, ...]) -> list[np.ndarray]:
+        """`linears` over integer-kernel weights: each activation format quantized once for all of them."""
+        quantized: dict[str, int8dot.Activations] = {}
+        out = []
+        for w in ws:
+            iw = self._int8[w]
+            if x.ndim != 2 or x.shape[1] != iw.cols:
+                raise ValueError(f"{w.name}: activations of shape {x.shape} do not fit a weight of shape {w.shape}")
+            a = quantized.get(iw.fmt)
+            if a is None:
+                a = quantized[iw.fmt] = int8dot.quantize(x, iw.fmt)
+            out.append(int8dot.product(a, iw, self._threads_for(x.shape[0] * iw.rows * iw.cols)))
         return out
 
     def _stack_groups(self, ws: tuple[QuantTensor, ...]) -> list[tuple[tuple[int, ...], tuple | None]]:
@@ -340,7 +378,7 @@ class NumbaBackend:
     def prepack(self, tensors: Iterable[QuantTensor]) -> int:
         """Repack these weights now rather than on first use; returns the bytes the packed forms take."""
         for w in tensors:
-            if w.type not in FLOAT_TYPES:
+            if w.type not in FLOAT_TYPES and self.int8_weight(w) is None:
                 self.packed(w)
         return self.packed_bytes
 

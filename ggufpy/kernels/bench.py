@@ -209,8 +209,9 @@ from ggufpy.kernels import bench
 import numpy as np
 path, backend = sys.argv[1], sys.argv[2]
 threads, n_prompt, n_decode = (int(a) for a in sys.argv[3:6])
+numerics = sys.argv[6]
 t1 = time.perf_counter()
-model = bench.load_model(path, backend, **({"threads": threads} if backend == "numba" else {}))
+model = bench.load_model(path, backend, numerics=numerics, **({"threads": threads} if backend == "numba" else {}))
 t2 = time.perf_counter()
 prompt = bench.prompt_tokens(n_prompt, model.config.vocab_size)
 first = bench.time_ggufpy(model, prompt[:8], 1)  # compiles (or loads) every kernel the model uses
@@ -221,10 +222,12 @@ print(json.dumps({"import_s": t1 - t0, "load_s": t2 - t1, "first_call_s": t3 - t
 """
 
 
-def run_child(path, backend: str = "numba", threads: int = 2, n_prompt: int = 128, n_decode: int = 16, env=None):
+def run_child(
+    path, backend: str = "numba", threads: int = 2, n_prompt: int = 128, n_decode: int = 16, env=None, numerics="exact"
+):
     """Load and run a model in a fresh interpreter: its peak RSS and its start-up costs, as a dict."""
     done = subprocess.run(
-        [sys.executable, "-c", _CHILD, str(path), backend, str(threads), str(n_prompt), str(n_decode)],
+        [sys.executable, "-c", _CHILD, str(path), backend, str(threads), str(n_prompt), str(n_decode), numerics],
         capture_output=True,
         text=True,
         env={**os.environ, **(env or {})},

@@ -49,7 +49,10 @@ def round_half_away(v: np.ndarray) -> np.ndarray:
 def _signed_absmax(x: np.ndarray) -> np.ndarray:
     """The element of largest magnitude, keeping its sign; the first one on ties: f32[n, b] -> f32[n, 1]."""
     idx = np.argmax(np.abs(x), axis=1)[:, None]
-    return np.take_along_axis(x, idx, axis=1)
+    v = np.take_along_axis(x, idx, axis=1)
+    # ggml starts from `max = 0.0f` and replaces it only on a larger magnitude: an all-zero block keeps +0.0
+    # even when it holds -0.0 (then d = +0.0 / -levels = -0.0, as ggml stores it)
+    return np.where(v == 0, np.float32(0), v)
 
 
 def _inverse(d: np.ndarray) -> np.ndarray:
@@ -80,8 +83,10 @@ def _symmetric_scale(x: np.ndarray, levels: int) -> tuple[np.ndarray, np.ndarray
 
 def _affine_scale(x: np.ndarray, levels: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Q4_1/Q5_1: min, d = (max - min) / levels, id = 1/d."""
-    lo = x.min(axis=1, keepdims=True)
-    d = (x.max(axis=1, keepdims=True) - lo) / np.float32(levels)
+    # the first occurrence, as ggml's strict `<`/`>` scan keeps it (-0.0 and +0.0 compare equal)
+    lo = np.take_along_axis(x, np.argmin(x, axis=1)[:, None], axis=1)
+    hi = np.take_along_axis(x, np.argmax(x, axis=1)[:, None], axis=1)
+    d = (hi - lo) / np.float32(levels)
     return lo, d, _inverse(d)
 
 

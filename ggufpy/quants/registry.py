@@ -15,6 +15,8 @@ import numpy as np
 from ..constants import GGML_BLOCK_LAYOUT, GGMLType
 from ..errors import GGUFError, GGUFUnsupportedError
 from . import floats, iqgrid, iquants, kquants, legacy, lowbit
+from . import iquantizers as iq
+from . import kquantizers as kq
 from . import quantizers as ref
 
 __all__ = ["QUANT_TYPES", "QuantType", "dequantize", "quant_type", "quantize"]
@@ -57,14 +59,14 @@ _TABLE: tuple[tuple[GGMLType, BlockFn, BlockFn | None], ...] = (
     (GGMLType.Q5_1, legacy.dequantize_q5_1, ref.quantize_q5_1),
     (GGMLType.Q8_0, legacy.dequantize_q8_0, ref.quantize_q8_0),
     (GGMLType.Q8_1, legacy.dequantize_q8_1, ref.quantize_q8_1),
-    (GGMLType.Q2_K, kquants.dequantize_q2_K, None),
-    (GGMLType.Q3_K, kquants.dequantize_q3_K, None),
-    (GGMLType.Q4_K, kquants.dequantize_q4_K, None),
-    (GGMLType.Q5_K, kquants.dequantize_q5_K, None),
-    (GGMLType.Q6_K, kquants.dequantize_q6_K, None),
+    (GGMLType.Q2_K, kquants.dequantize_q2_K, kq.quantize_row_q2_K_ref),
+    (GGMLType.Q3_K, kquants.dequantize_q3_K, kq.quantize_row_q3_K_ref),
+    (GGMLType.Q4_K, kquants.dequantize_q4_K, kq.quantize_row_q4_K_ref),
+    (GGMLType.Q5_K, kquants.dequantize_q5_K, kq.quantize_row_q5_K_ref),
+    (GGMLType.Q6_K, kquants.dequantize_q6_K, kq.quantize_row_q6_K_ref),
     (GGMLType.Q8_K, kquants.dequantize_q8_K, ref.quantize_q8_K),
-    (GGMLType.IQ4_NL, iquants.dequantize_iq4_nl, None),
-    (GGMLType.IQ4_XS, iquants.dequantize_iq4_xs, None),
+    (GGMLType.IQ4_NL, iquants.dequantize_iq4_nl, iq.quantize_row_iq4_nl_ref),
+    (GGMLType.IQ4_XS, iquants.dequantize_iq4_xs, iq.quantize_row_iq4_xs_ref),
     (GGMLType.IQ2_XXS, iqgrid.dequantize_iq2_xxs, None),
     (GGMLType.IQ2_XS, iqgrid.dequantize_iq2_xs, None),
     (GGMLType.IQ2_S, iqgrid.dequantize_iq2_s, None),

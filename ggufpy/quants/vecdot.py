@@ -71,12 +71,24 @@ VEC_DOT_TYPE: dict[GGMLType, GGMLType] = {
     T.Q5_1: T.Q8_1,
     T.Q8_0: T.Q8_0,
     T.IQ4_NL: T.Q8_0,
+    T.MXFP4: T.Q8_0,
+    T.NVFP4: T.Q8_0,
+    T.Q1_0: T.Q8_0,
     T.Q2_K: T.Q8_K,
     T.Q3_K: T.Q8_K,
     T.Q4_K: T.Q8_K,
     T.Q5_K: T.Q8_K,
     T.Q6_K: T.Q8_K,
     T.IQ4_XS: T.Q8_K,
+    T.TQ1_0: T.Q8_K,
+    T.TQ2_0: T.Q8_K,
+    T.IQ2_XXS: T.Q8_K,
+    T.IQ3_XXS: T.Q8_K,
+    T.IQ3_S: T.Q8_K,
+    T.IQ2_XS: T.Q8_K,
+    T.IQ2_S: T.Q8_K,
+    T.IQ1_S: T.Q8_K,
+    T.IQ1_M: T.Q8_K,
 }
 
 # The `from_float` that ggml's x86 CPU backend runs for each activation format.
@@ -223,10 +235,13 @@ def linear(x: np.ndarray, w: SplitWeight, dtype=np.float64, chunk_bytes: int = 6
     return out.reshape(*lead, -1)
 
 
-def linear_x86(x: np.ndarray, raw: np.ndarray, w_type: GGMLType, shape: tuple[int, int]) -> np.ndarray:
+def linear_x86(
+    x: np.ndarray, raw: np.ndarray, w_type: GGMLType, shape: tuple[int, int], isa: str = "avx512"
+) -> np.ndarray:
     """x (..., in) f32 times the weight (out, in) given by its GGUF bytes, bit for bit as llama.cpp's x86 CPU
-    backend computes it: the activations as `quantize_activations`, then the f32 operations of the kernel
-    that runs for this type and shape (`ggufpy.quants.x86`). Returns (..., out) f32."""
+    backend (the `isa` build, `x86.simd.ISAS`) computes it: the activations as `quantize_activations`, then
+    the f32 operations of the kernel that runs for this type and shape (`ggufpy.quants.x86`). Returns
+    (..., out) f32."""
     from . import x86  # NumPy replays of SIMD kernels: loaded only by the llamacpp numerics
 
     x = np.asarray(x, np.float32)
@@ -234,7 +249,7 @@ def linear_x86(x: np.ndarray, raw: np.ndarray, w_type: GGMLType, shape: tuple[in
     rows = x.reshape(-1, n)  # (T, in)
     a = x86.activations_for(rows, w_type, lambda r: quantize_activations(r, VEC_DOT_TYPE[w_type]))
     w = np.asarray(raw).reshape(-1).view(np.uint8).reshape(shape[0], -1)  # u8 (out, row_bytes)
-    return x86.matmul(w, w_type, a).reshape(*lead, shape[0])
+    return x86.matmul(w, w_type, a, isa).reshape(*lead, shape[0])
 
 
 # Float weights: the activation row is only rounded to the weight's own type (vec_dot_type F32/F16/BF16).

@@ -1,7 +1,8 @@
 """`ggufpy serve`: an OpenAI-compatible HTTP server with continuous batching (docs/server.md).
 
-`scheduler` (the slot scheduler, no web dependencies), `schemas` (request bodies), `app` (FastAPI routes; needs
-the `server` extra: fastapi, uvicorn, sse-starlette).
+`scheduler` (the slot scheduler, no web dependencies), `schemas` (request bodies), `constrain` (structured output
+through llguidance), `tools` (tool calls in and out of the chat template), `app` and `http` (FastAPI routes, errors,
+/metrics; need the `server` extra: fastapi, uvicorn, sse-starlette, llguidance), `bench` (`ggufpy bench --server`).
 """
 
 from __future__ import annotations

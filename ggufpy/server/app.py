@@ -6,7 +6,9 @@
 Routes: GET / (a chat page, `static/index.html`), GET /health, GET /v1/models, POST /v1/chat/completions,
 POST /v1/completions, POST /v1/embeddings, POST /tokenize, POST /detokenize, GET /metrics. Errors are OpenAI's
 `{"error": {"message", "type", "param", "code"}}` with 400 (bad body), 401 (API key), 404 (unknown model or
-route), 413 (body too large); a client error is never a 500. Documented in docs/server.md.
+route), 413 (body too large); a client error is never a 500. Structured output (`response_format`, `grammar`)
+is a per-request token mask (`constrain.py`); tools go through the chat template and come back as `tool_calls`
+(`tools.py`). Documented in docs/server.md.
 """
 
 from __future__ import annotations
@@ -23,38 +25,35 @@ from typing import Any
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
+from fastapi.responses import HTMLResponse, PlainTextResponse
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..chat import ChatTemplate, encode_chat
 from ..sampling import Sampler, SamplingParams
+from . import tools as toolcalls
+from .constrain import Constraint, GrammarError, compile_grammar, token_table
+from .http import APIError, Guard, error_response, prometheus
 from .scheduler import Event, Job, Scheduler
 from .schemas import ChatRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest, TokenizeRequest
 
-MAX_BODY_BYTES = 8 << 20  # a request body past this is refused with 413 before it is parsed
 PAGE = Path(__file__).parent / "static" / "index.html"  # the chat page at /
 DISCONNECT_POLL = 0.25  # seconds between checks that a non-streaming request's client is still there
 
 
-class APIError(Exception):
-    """An error the client caused (or may retry), shown to it as OpenAI's error object."""
-
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param=None, code=None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-
-
-def _error(status: int, message: str, type: str = "invalid_request_error", param=None, code=None) -> JSONResponse:
-    body = {"error": {"message": message, "type": type, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status)
-
-
-def create_app(model, parallel: int = 4, ctx_size: int = 2048, api_key: str | None = None, model_id: str = "ggufpy"):
-    """The FastAPI app serving `model` with `parallel` slots of `ctx_size` positions each."""
+def create_app(
+    model,
+    parallel: int = 4,
+    ctx_size: int = 2048,
+    api_key: str | None = None,
+    model_id: str = "ggufpy",
+    chat_template: ChatTemplate | None = None,
+):
+    """The FastAPI app serving `model` with `parallel` slots of `ctx_size` positions each; chats are rendered
+    with `chat_template` (default: the model's own, `ChatTemplate.from_tokenizer`)."""
     scheduler = Scheduler(model, parallel=parallel, ctx_size=ctx_size)
     tokenizer = model.tokenizer
-    template = ChatTemplate.from_tokenizer(tokenizer, warn=False)
+    template = chat_template or ChatTemplate.from_tokenizer(tokenizer, warn=False)
     created = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -68,29 +67,29 @@ def create_app(model, parallel: int = 4, ctx_size: int = 2048, api_key: str | No
 
     # -- errors ------------------------------------------------------------------------------------------
     @app.exception_handler(APIError)
-    async def _api_error(request, e: APIError):
-        return _error(e.status, e.message, e.type, e.param, e.code)
+    async def _apierror_response(request, e: APIError):
+        return error_response(e.status, e.message, e.type, e.param, e.code)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, e: RequestValidationError):
         first = e.errors()[0]
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         where = ".".join(loc) or "body"
-        return _error(400, f"{where}: {first.get('msg')} (got {first.get('input')!r:.80})", param=where or None)
+        return error_response(400, f"{where}: {first.get('msg')} (got {first.get('input')!r:.80})", param=where or None)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request, e: StarletteHTTPException):
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return _error(e.status_code, f"{request.method} {request.url.path}: {e.detail}", kind)
+        return error_response(e.status_code, f"{request.method} {request.url.path}: {e.detail}", kind)
 
-    app.add_middleware(_Guard, api_key=api_key)
+    app.add_middleware(Guard, api_key=api_key)
 
     def check_model(name: str | None) -> None:
         if name is not None and name not in (model_id, "default", ""):
             raise APIError(404, f"model {name!r} is not served here; this server has {model_id!r}", param="model")
 
     # -- generation --------------------------------------------------------------------------------------
-    def jobs(body, prompt: list[int], top: int | None) -> list[Job]:
+    def jobs(body, prompt: list[int], top: int | None, grammar: str | None) -> list[Job]:
         room = ctx_size - len(prompt)
         if room < 1:
             raise APIError(
@@ -111,6 +110,7 @@ def create_app(model, parallel: int = 4, ctx_size: int = 2048, api_key: str | No
             if params.logit_bias and not all(0 <= t < model.config.vocab_size for t in params.logit_bias):
                 raise APIError(400, f"logit_bias: token ids must be in 0..{model.config.vocab_size - 1}", "logit_bias")
             job = Job(prompt, min(max_tokens, room), Sampler(params), body.stops(), top, body.cache_prompt)
+            job.constraint = None if grammar is None else Constraint(token_table(tokenizer), grammar)
             out.append(job)
         return out
 
@@ -157,23 +157,44 @@ def create_app(model, parallel: int = 4, ctx_size: int = 2048, api_key: str | No
         for job in jobs_:
             job.cancel()
 
-    async def generate(request: Request, body, prompt: list[int], chat: bool):
+    async def compile_(spec: tuple[str, Any] | None, param: str) -> str | None:
+        """The request's grammar (compiled off the event loop: the first one also builds the token table)."""
+        if spec is None:
+            return None
+        try:
+            return await asyncio.to_thread(lambda: compile_grammar(*spec, token_table(tokenizer)))
+        except GrammarError as e:
+            raise APIError(400, f"{param}: {e}", param=param) from None
+
+    def grammar_spec(body) -> tuple[tuple[str, Any] | None, str]:
+        try:
+            spec = body.grammar_spec()
+        except ValueError as e:
+            raise APIError(400, str(e), param="response_format") from None
+        return spec, "grammar" if body.grammar else "response_format"
+
+    async def generate(request: Request, body, prompt: list[int], chat: bool, spec=None, tool_format=None):
         top = (body.top_logprobs or 0) if chat and body.logprobs else (body.logprobs if not chat else None)
-        jobs_ = jobs(body, prompt, top)
+        spec, param = (spec, "tools") if spec is not None else grammar_spec(body)
+        grammar = await compile_(spec, param)
+        if grammar is None:
+            jobs_ = jobs(body, prompt, top, None)
+        else:  # building a grammar's matchers can take a while: not on the event loop
+            jobs_ = await asyncio.to_thread(jobs, body, prompt, top, grammar)
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         obj = "chat.completion" if chat else "text_completion"
         head = {"id": ident, "created": int(time.time()), "model": model_id, "system_fingerprint": "ggufpy"}
         stream = run(jobs_)
         if body.stream:
-            return EventSourceResponse(stream_chunks(stream, jobs_, head, obj, chat, body), ping=15)
+            return EventSourceResponse(stream_chunks(stream, jobs_, head, obj, chat, body, tool_format), ping=15)
 
         watcher = asyncio.create_task(watch(request, jobs_))
         try:
-            return await collect(stream, jobs_, head, obj, chat, body)
+            return await collect(stream, jobs_, head, obj, chat, body, tool_format)
         finally:
             watcher.cancel()
 
-    async def collect(stream, jobs_: list[Job], head, obj, chat: bool, body) -> dict:
+    async def collect(stream, jobs_: list[Job], head, obj, chat: bool, body, tool_format=None) -> dict:
         texts = [[] for _ in jobs_]
         lps: list[list[Event]] = [[] for _ in jobs_]
         ends: list[Event | None] = [None] * len(jobs_)
@@ -191,9 +212,19 @@ def create_app(model, parallel: int = 4, ctx_size: int = 2048, api_key: str | No
         choices = []
         for i, end in enumerate(ends):
             text = "".join(texts[i])
+            finish = end.finish_reason
             if chat:
                 lp = {"content": [chat_logprobs(e) for e in lps[i]]} if body.logprobs else None
-                choice = {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp}
+                message = {"role": "assistant", "content": text}
+                if tool_format is not None:
+                    reader = toolcalls.ToolCallReader(tool_format)
+                    pieces = [*reader.feed(text), *reader.close()]
+                    calls = [p.as_openai() for p in pieces if isinstance(p, toolcalls.ToolCall)]
+                    if calls:
+                        content = "".join(p for p in pieces if isinstance(p, str)).strip()
+                        message = {"role": "assistant", "content": content or None, "tool_calls": calls}
+                        finish = "tool_calls" if finish == "stop" else finish
+                choice = {"index": i, "message": message, "logprobs": lp}
             else:
                 lp = None
                 if body.logprobs is not None:
@@ -203,20 +234,33 @@ def create_app(model, parallel: int = 4, ctx_size: int = 2048, api_key: str | No
                         "top_logprobs": [{piece(t): v for t, v in e.top_logprobs or []} for e in lps[i]],
                     }
                 choice = {"index": i, "text": text, "logprobs": lp}
-            choices.append({**choice, "finish_reason": end.finish_reason})
+            choices.append({**choice, "finish_reason": finish})
         return {**head, "object": obj, "choices": choices, "usage": usage([e for e in ends if e])}
 
-    async def stream_chunks(stream, jobs_: list[Job], head, obj, chat: bool, body):
+    async def stream_chunks(stream, jobs_: list[Job], head, obj, chat: bool, body, tool_format=None):
         try:
-            async for chunk in _chunks(stream, head, obj, chat, body):
+            async for chunk in _chunks(stream, head, obj, chat, body, tool_format):
                 yield chunk
         finally:  # the client disconnected mid-stream (or the stream ended): free the slots at once
             for job in jobs_:
                 job.cancel()
 
-    async def _chunks(stream, head, obj, chat: bool, body):
+    async def _chunks(stream, head, obj, chat: bool, body, tool_format=None):
         obj += ".chunk" if chat else ""
         ends: list[Event] = []
+        readers = [toolcalls.ToolCallReader(tool_format) for _ in range(body.n)] if tool_format else None
+
+        def deltas(i: int, pieces) -> list[str]:  # content and tool-call deltas, as OpenAI streams them
+            out = []
+            for p in pieces:
+                if isinstance(p, str):
+                    delta = {"content": p}
+                else:
+                    delta = {"tool_calls": [p.as_openai(index=readers[i].calls_sent)]}
+                    readers[i].calls_sent += 1
+                out.append(json.dumps({**head, "object": obj, "choices": [_choice(i, delta, None, chat)]}))
+            return out
+
         if chat:
             for i in range(body.n):
                 delta = {"role": "assistant", "content": ""}
@@ -230,13 +274,22 @@ def create_app(model, parallel: int = 4, ctx_size: int = 2048, api_key: str | No
             if ev.kind == "text":
                 if not ev.text:
                     continue
+                if readers is not None:
+                    for chunk in deltas(i, readers[i].feed(ev.text)):
+                        yield chunk
+                    continue
                 lp = None
                 if ev.logprob is not None and chat and body.logprobs:
                     lp = {"content": [chat_logprobs(ev)]}
                 yield json.dumps({**head, "object": obj, "choices": [_choice(i, {"content": ev.text}, None, chat, lp)]})
             else:
                 ends.append(ev)
-                yield json.dumps({**head, "object": obj, "choices": [_choice(i, {}, ev.finish_reason, chat)]})
+                finish = ev.finish_reason
+                if readers is not None:
+                    for chunk in deltas(i, readers[i].close()):
+                        yield chunk
+                    finish = "tool_calls" if readers[i].calls and finish == "stop" else finish
+                yield json.dumps({**head, "object": obj, "choices": [_choice(i, {}, finish, chat)]})
         if body.stream_options and body.stream_options.include_usage:
             yield json.dumps({**head, "object": obj, "choices": [], "usage": usage(ends)})
         yield "[DONE]"
@@ -258,12 +311,22 @@ def create_app(model, parallel: int = 4, ctx_size: int = 2048, api_key: str | No
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatRequest):
         check_model(body.model)
-        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        messages = [m.model_dump(exclude_none=True, by_alias=True) for m in body.messages]
+        spec = None
         try:
-            prompt = encode_chat(tokenizer, messages, template)
+            plan = toolcalls.plan(template.template, messages, body.tools, body.tool_choice, body.parallel_tool_calls)
+        except ValueError as e:
+            raise APIError(400, str(e), param="tools") from None
+        if plan.grammar is not None:  # tool_choice forces a valid call, through structured output
+            if body.grammar or (body.response_format and body.response_format.type != "text"):
+                raise APIError(400, "tool_choice forces a call: it cannot be combined with a grammar", param="tools")
+            spec = ("lark", plan.grammar)
+        messages, kwargs, tool_format = plan.messages, {"tools": plan.tools}, plan.format
+        try:
+            prompt = encode_chat(tokenizer, messages, template, **kwargs)
         except Exception as e:  # a template that rejects these messages (roles out of order, ...)
             raise APIError(400, f"the chat template cannot render these messages: {e}", param="messages") from None
-        return await generate(request, body, prompt, chat=True)
+        return await generate(request, body, prompt, chat=True, spec=spec, tool_format=tool_format)
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest):
@@ -309,34 +372,9 @@ def create_app(model, parallel: int = 4, ctx_size: int = 2048, api_key: str | No
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(_prometheus(scheduler, parallel))
+        return PlainTextResponse(prometheus(scheduler, parallel))
 
     return app
-
-
-class _Guard:
-    """Refuses, before any route runs, a body over MAX_BODY_BYTES (413) and a missing or wrong API key (401).
-    Plain ASGI, not `@app.middleware("http")`: that wrapper hides a client's disconnect from the routes."""
-
-    def __init__(self, app, api_key: str | None):
-        self.app, self.api_key = app, api_key
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http":
-            headers = dict(scope["headers"])
-            length = headers.get(b"content-length", b"0").decode("latin-1")
-            refusal = None
-            if not length.isdigit() or int(length) > MAX_BODY_BYTES:
-                refusal = _error(413, f"request body of {length} bytes exceeds the limit of {MAX_BODY_BYTES}")
-            elif self.api_key is not None and scope["path"] not in ("/health", "/"):
-                if headers.get(b"authorization", b"").decode("latin-1") != f"Bearer {self.api_key}":
-                    refusal = _error(
-                        401, "missing or incorrect API key (Authorization: Bearer KEY)", code="invalid_api_key"
-                    )
-            if refusal is not None:
-                await refusal(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 def _choice(i: int, delta: dict, finish: str | None, chat: bool, logprobs=None) -> dict:
@@ -351,33 +389,3 @@ def _embed(model, ids: list[int]) -> list[float]:
     model.forward(np.asarray(ids, dtype=np.int64), 0, model.new_cache(capacity=len(ids)), trace=trace)
     v = trace["result_norm"].astype(np.float64).mean(axis=0)
     return (v / (np.linalg.norm(v) or 1.0)).tolist()
-
-
-def _prometheus(scheduler: Scheduler, parallel: int) -> str:
-    m = scheduler.metrics
-    rate = m.decode_tokens_total / m.decode_seconds_total if m.decode_seconds_total else 0.0
-    lines = [
-        ("ggufpy_requests_total", "counter", "requests accepted", m.requests_total),
-        ("ggufpy_prompt_tokens_total", "counter", "prompt tokens of finished requests", m.prompt_tokens_total),
-        ("ggufpy_completion_tokens_total", "counter", "generated tokens", m.completion_tokens_total),
-        ("ggufpy_decode_steps_total", "counter", "batched decode steps", m.decode_steps_total),
-        ("ggufpy_requests_processing", "gauge", "busy slots", m.slots_busy),
-        ("ggufpy_requests_waiting", "gauge", "requests queued for a slot", m.queue_length),
-        ("ggufpy_slots", "gauge", "slots (--parallel)", parallel),
-        (
-            "ggufpy_decode_tokens_per_second",
-            "gauge",
-            "aggregate rate of the last decode step",
-            m.last_decode_tokens_per_second,
-        ),
-        ("ggufpy_decode_tokens_per_second_avg", "gauge", "decoded tokens per second of decode-step time", rate),
-    ]
-    out = []
-    for name, kind, help_, value in lines:
-        out += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {value}"]
-    out += [
-        "# HELP ggufpy_requests_finished_total finished requests by reason",
-        "# TYPE ggufpy_requests_finished_total counter",
-    ]
-    out += [f'ggufpy_requests_finished_total{{reason="{r}"}} {n}' for r, n in sorted(m.requests_finished.items())]
-    return "\n".join(out) + "\n"

@@ -68,6 +68,7 @@ class Job:
     stop: tuple[str, ...] = ()
     logprobs: int | None = None
     cache_prompt: bool = True  # may reuse (and leave behind) a cached prompt prefix (llama.cpp's `cache_prompt`)
+    constraint: Any = None  # a `constrain.Constraint`: the grammar its tokens must follow (structured output)
     id: int = field(default_factory=itertools.count().__next__)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -292,7 +293,11 @@ class Scheduler:
         """Draw the next token from `logits`, report it, and finish the job or queue the token for decode."""
         job = slot.job
         try:
+            if job.constraint is not None:  # this row's own grammar: the other rows are untouched
+                logits = job.constraint.apply(logits)
             token = job.sampler(logits, slot.history)
+            if job.constraint is not None and token not in self.eog:
+                job.constraint.advance(token)
         except ValueError as e:
             self._finish(slot, "error", str(e))
             return
@@ -312,6 +317,8 @@ class Scheduler:
         slot.emit(Event("text", text=text, token=token, logprob=logprob, top_logprobs=top))
         if stopped:
             self._finish(slot, "stop", flush=False)
+        elif job.constraint is not None and job.constraint.finished:  # the grammar admits nothing more
+            self._finish(slot, "stop")
         elif slot.generated >= job.max_tokens or slot.cache.length + 1 > slot.cache.capacity:
             self._finish(slot, "length")
         else:

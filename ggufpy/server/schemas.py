@@ -22,6 +22,20 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class JSONSchemaFormat(_Body):
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    """OpenAI's `response_format`; llama.cpp's `{"type": "json_object", "schema": {...}}` is accepted too."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+
+
 class Sampling(_Body):
     """The fields chat and text completions share."""
 
@@ -42,6 +56,22 @@ class Sampling(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     cache_prompt: bool = True  # llama.cpp's field: reuse the KV of an earlier request's prompt prefix
+    response_format: ResponseFormat | None = None
+    grammar: str | None = None  # GBNF, as llama.cpp's server
+
+    def grammar_spec(self) -> tuple[str, Any] | None:
+        """(kind, source) of the output's grammar (`constrain.GRAMMARS`), or None for free text."""
+        fmt = self.response_format
+        if self.grammar and fmt is not None and fmt.type != "text":
+            raise ValueError("grammar and response_format both constrain the output: send one of them")
+        if self.grammar:
+            return "gbnf", self.grammar
+        if fmt is None or fmt.type == "text":
+            return None
+        schema = fmt.schema_ if fmt.json_schema is None else fmt.json_schema.schema_
+        if fmt.type == "json_schema" and schema is None:
+            raise ValueError("response_format.json_schema.schema: required for type json_schema")
+        return ("json_object", None) if schema is None else ("json_schema", schema)
 
     def sampling_fields(self) -> dict[str, Any]:
         """The `SamplingParams` fields this body sets (logit_bias keys as token ids)."""
@@ -67,6 +97,9 @@ class ChatRequest(Sampling):
     messages: list[Message] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool = False  # llama.cpp's default: one forced call (OpenAI's is true)
 
 
 class CompletionRequest(Sampling):

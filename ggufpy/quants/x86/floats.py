@@ -16,6 +16,11 @@ Otherwise vec_dot (vec.cpp `ggml_vec_dot_f32` / `_f16` / `_bf16`, their AVX-512 
 steps of 64 (F32, F16) reduced pairwise, or 2 x (32 bf16) `dpbf16` accumulators over steps of 64 (BF16),
 then the leftover elements one by one (see the functions).
 
+AVX2 build (`isa="avx2"`: no AVX-512) the same kernels 8 lanes wide: tinyBLAS<8, __m256> for all three types
+(T >= 2, in % 8 == 0, out % 4 == 0; bf16 and f16 widened to f32 on load, one FMA per step, `hsum_float_8`);
+vec_dot with 4 x 8 lanes over steps of 32 (F32, F16: `GGML_F32x8_REDUCE`, sum0 += sum2, sum1 += sum3,
+sum0 += sum1, then `hadd_reduce_8`; BF16: c1..c4, (c1 + c3) + (c2 + c4), `hsum_float_8`), leftovers as above.
+
 The F32/F16/BF16 kernels take `a` as what the driver hands to the kernel: the f32 activation rows for F32,
 the rows converted to f16 (`ggml_cpu_fp32_to_fp16`, round to nearest even) for F16 and to bf16
 (`ggml_cpu_fp32_to_bf16`) for BF16. `float_activations(x, type)` builds them from f32 rows.
@@ -30,7 +35,7 @@ import numpy as np
 from ...constants import GGMLType
 from ..floats import fp32_to_bf16_bits
 from .llamafile import rows_per_chunk
-from .simd import FmaAccumulator, reduce_add_ps_512
+from .simd import FmaAccumulator, hadd_reduce_8, hsum_float_8, reduce_add_ps_512
 
 __all__ = ["KERNELS", "float_activations", "float_matmul", "matmul_bf16", "matmul_f16", "matmul_f32"]
 
@@ -71,25 +76,33 @@ def _widen(r: np.ndarray, ggml_type: GGMLType) -> np.ndarray:
     return (r.astype(np.uint32) << 16).view(np.float32)
 
 
-def _tinyblas_kn16_kernel(W: np.ndarray, A: np.ndarray, exact_products: bool) -> np.ndarray:
-    """`tinyBLAS<16, __m512, __m512, TA, TB, float>::gemm_bloc`: acc_i = fma(w[l+i], a[l+i], acc_i) for
-    l = 0, 16, ..., then `hsum(__m512)` = `_mm512_reduce_add_ps`. With `exact_products` (F16: a product of
-    two fp16 values fits in 22 bits, exact in f32) each FMA is an f32 add of the f32 product."""
+# Per x86 build (`simd.ISAS`): the f32 lanes of one vector register and its horizontal sums: tinyBLAS's
+# `hsum(V)`, and the end of vec_dot's `GGML_F32_VEC_REDUCE` for F32 / F16.
+_LANES = {"avx512": 16, "avx2": 8}
+_HSUM = {"avx512": reduce_add_ps_512, "avx2": hsum_float_8}
+_VEC_REDUCE = {"avx512": reduce_add_ps_512, "avx2": hadd_reduce_8}
+
+
+def _tinyblas_kernel(W: np.ndarray, A: np.ndarray, exact_products: bool, isa: str = "avx512") -> np.ndarray:
+    """`tinyBLAS<KN, V, V, TA, TB, float>::gemm_bloc` with KN f32 lanes (16: __m512; 8: __m256):
+    acc_i = fma(w[l+i], a[l+i], acc_i) for l = 0, KN, ..., then `hsum(V)`. With `exact_products` (F16, BF16
+    widened to f32: a product of two such values is exact in f32) each FMA is an f32 add of the product."""
+    kn = _LANES[isa]
     T, n = A.shape
     O = W.shape[0]
-    Wl = W.reshape(O, n // 16, 16).transpose(1, 2, 0)[:, :, None, :]  # (steps, 16 lanes, 1, O)
-    Al = A.reshape(T, n // 16, 16).transpose(1, 2, 0)[:, :, :, None]  # (steps, 16 lanes, T, 1)
+    Wl = W.reshape(O, n // kn, kn).transpose(1, 2, 0)[:, :, None, :]  # (steps, kn lanes, 1, O)
+    Al = A.reshape(T, n // kn, kn).transpose(1, 2, 0)[:, :, :, None]  # (steps, kn lanes, T, 1)
     if exact_products:
-        acc = np.zeros((16, T, O), np.float32)
-        for s in range(n // 16):
+        acc = np.zeros((kn, T, O), np.float32)
+        for s in range(n // kn):
             acc += Wl[s] * Al[s]
     else:
-        fma = FmaAccumulator((16, T, O))
+        fma = FmaAccumulator((kn, T, O))
         W64, A64 = Wl.astype(np.float64), Al.astype(np.float64)  # same-dtype products are faster
-        for s in range(n // 16):
+        for s in range(n // kn):
             fma.add(W64[s], A64[s])
         acc = fma.acc
-    return reduce_add_ps_512(np.moveaxis(acc, 0, -1))
+    return _HSUM[isa](np.moveaxis(acc, 0, -1))
 
 
 def _tinyblas_bf16_kernel(W: np.ndarray, A: np.ndarray) -> np.ndarray:
@@ -111,26 +124,29 @@ def _tinyblas_bf16_kernel(W: np.ndarray, A: np.ndarray) -> np.ndarray:
     return reduce_add_ps_512(np.moveaxis(acc, 0, -1))
 
 
-def _vec_dot_kernel(W: np.ndarray, A: np.ndarray, exact_products: bool) -> np.ndarray:
+def _vec_dot_kernel(W: np.ndarray, A: np.ndarray, exact_products: bool, isa: str = "avx512") -> np.ndarray:
     """vec.cpp `ggml_vec_dot_f32` / `ggml_vec_dot_f16`, AVX-512 branch (GGML_F32_STEP = GGML_F16_STEP = 64,
     EPR = 16, ARR = 4): sum[j] = fma(x[i+16j..], y[i+16j..], sum[j]) over i += 64; GGML_F32x16_REDUCE:
     sum0 += sum2, sum1 += sum3, sum0 += sum1, `_mm512_reduce_add_ps(sum0)`. Then the n % 64 leftovers one by
     one: F32 `sumf += x*y` on a float (f32 multiply, then f32 add: not contracted, checked against the
     library); F16 into a double `sumf` (the f32 product of two fp16 values is exact), rounded to f32 at the
-    end. F16's FMAs are f32 adds of exact products, as in `_tinyblas_kn16_kernel`."""
+    end. F16's FMAs are f32 adds of exact products, as in `_tinyblas_kernel`. The AVX2 branch: the same with
+    8 lanes (steps of 32) and `hadd_reduce_8` for the last reduction."""
+    lanes = _LANES[isa]
     T, n = A.shape
     O = W.shape[0]
-    main = n - n % 64
-    fma = FmaAccumulator((4, 16, T, O))
-    for i in range(0, main, 64):
-        wv = W[:, i : i + 64].reshape(O, 4, 16).transpose(1, 2, 0)[:, :, None, :]  # (4 registers, 16, 1, O)
-        av = A[:, i : i + 64].reshape(T, 4, 16).transpose(1, 2, 0)[:, :, :, None]  # (4 registers, 16, T, 1)
+    step = 4 * lanes  # GGML_F32_STEP = GGML_F16_STEP
+    main = n - n % step
+    fma = FmaAccumulator((4, lanes, T, O))
+    for i in range(0, main, step):
+        wv = W[:, i : i + step].reshape(O, 4, lanes).transpose(1, 2, 0)[:, :, None, :]  # (4 registers, lanes, 1, O)
+        av = A[:, i : i + step].reshape(T, 4, lanes).transpose(1, 2, 0)[:, :, :, None]  # (4 registers, lanes, T, 1)
         if exact_products:
             fma.acc += wv * av
         else:
             fma.add(wv, av)
     acc = fma.acc
-    r = reduce_add_ps_512(np.moveaxis((acc[0] + acc[2]) + (acc[1] + acc[3]), 0, -1))  # (T, O)
+    r = _VEC_REDUCE[isa](np.moveaxis((acc[0] + acc[2]) + (acc[1] + acc[3]), 0, -1))  # (T, O)
     if exact_products:
         r = r.astype(np.float64)
         for i in range(main, n):
@@ -162,9 +178,41 @@ def _vec_dot_bf16_kernel(W: np.ndarray, A: np.ndarray) -> np.ndarray:
     return r.astype(np.float32)
 
 
-def float_matmul(w: np.ndarray, a: np.ndarray, ggml_type: GGMLType) -> np.ndarray:
-    """The F32 / F16 / BF16 mul_mat: tinyBLAS when `llamafile_sgemm` accepts (T >= 2; `tinyBLAS::matmul`:
-    in % KN == 0 and out % 4 == 0, KN = 16, or 32 for BF16), else vec_dot per (activation, weight) pair."""
+def _vec_dot_bf16_avx2_kernel(W: np.ndarray, A: np.ndarray) -> np.ndarray:
+    """vec.cpp `ggml_vec_dot_bf16`, `__AVX2__` branch: c_j = c_j + x*y (products of bf16 exact in f32) on 8
+    lanes, registers c1..c4 over elements i + 8(j-1) for i += 32; c1 = (c1 + c3) + (c2 + c4); a double sum of
+    `hsum_float_8(c1)` and then each leftover product in turn; stored as float."""
+    T, n = A.shape
+    O = W.shape[0]
+    main = n - n % 32
+    acc = np.zeros((4, 8, T, O), np.float32)
+    for i in range(0, main, 32):
+        acc += (
+            W[:, i : i + 32].reshape(O, 4, 8).transpose(1, 2, 0)[:, :, None, :]
+            * (A[:, i : i + 32].reshape(T, 4, 8).transpose(1, 2, 0)[:, :, :, None])
+        )
+    r = hsum_float_8(np.moveaxis((acc[0] + acc[2]) + (acc[1] + acc[3]), 0, -1)).astype(np.float64)
+    for i in range(main, n):
+        r = r + (A[:, i, None] * W[None, :, i]).astype(np.float64)
+    return r.astype(np.float32)
+
+
+def _kernel(ggml_type: GGMLType, isa: str, tinyblas: bool) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
+    """The f32 kernel, on widened (out, in) and (T, in) f32 rows, that `float_matmul` runs."""
+    exact = ggml_type != GGMLType.F32  # products of two f16 or two bf16 values are exact in f32
+    if ggml_type == GGMLType.BF16 and isa == "avx512":  # AVX512_BF16: `dpbf16`, 32 bf16 at a time
+        return _tinyblas_bf16_kernel if tinyblas else _vec_dot_bf16_kernel
+    if ggml_type == GGMLType.BF16 and not tinyblas:
+        return _vec_dot_bf16_avx2_kernel
+    if tinyblas:
+        return lambda W, A: _tinyblas_kernel(W, A, exact, isa)
+    return lambda W, A: _vec_dot_kernel(W, A, exact, isa)
+
+
+def float_matmul(w: np.ndarray, a: np.ndarray, ggml_type: GGMLType, isa: str = "avx512") -> np.ndarray:
+    """The F32 / F16 / BF16 mul_mat on the `isa` build (`simd.ISAS`): tinyBLAS when `llamafile_sgemm` accepts
+    (T >= 2; `tinyBLAS::matmul`: in % KN == 0 and out % 4 == 0, KN = 16, or 32 for BF16, on AVX-512; KN = 8 on
+    AVX2), else vec_dot per (activation, weight) pair."""
     if ggml_type not in _FLOAT_TYPES:
         raise ValueError(f"{GGMLType(ggml_type).name} is not a float type")
     w = _element_rows(w, ggml_type)
@@ -173,44 +221,38 @@ def float_matmul(w: np.ndarray, a: np.ndarray, ggml_type: GGMLType) -> np.ndarra
     out = w.shape[0]
     if w.shape[1] != n:
         raise ValueError(f"weight rows hold {w.shape[1]} elements, activation rows {n}")
-    kn = 32 if ggml_type == GGMLType.BF16 else 16
-    tinyblas = T >= 2 and n % kn == 0 and out % 4 == 0
-    exact = ggml_type == GGMLType.F16
+    kn = 32 if ggml_type == GGMLType.BF16 and isa == "avx512" else _LANES[isa]
+    kernel = _kernel(ggml_type, isa, tinyblas=T >= 2 and n % kn == 0 and out % 4 == 0)
     y = np.empty((T, out), np.float32)
     step = rows_per_chunk(8 * max(64 * T, n))  # the (4, 16, T) float64 buffers of vec_dot, or one weight row
     for lo in range(0, out, step):
-        W = _widen(w[lo : lo + step], ggml_type)
-        if ggml_type == GGMLType.BF16:
-            r = _tinyblas_bf16_kernel(W, A) if tinyblas else _vec_dot_bf16_kernel(W, A)
-        else:
-            r = _tinyblas_kn16_kernel(W, A, exact) if tinyblas else _vec_dot_kernel(W, A, exact)
-        y[:, lo : lo + step] = r
+        y[:, lo : lo + step] = kernel(_widen(w[lo : lo + step], ggml_type), A)
     return y
 
 
-def matmul_f32(w: np.ndarray, a: np.ndarray) -> np.ndarray:
+def matmul_f32(w: np.ndarray, a: np.ndarray, isa: str = "avx512") -> np.ndarray:
     """w: F32 weight rows f32 (out, in) (or their bytes u8 (out, 4*in)); a: the f32 activation rows (T, in).
     Returns y f32 (T, out) as llama.cpp computes it: `tinyBLAS<16, __m512, __m512, float, float, float>`
     (the driver's first `llamafile_sgemm` call) when T >= 2, in % 16 == 0 and out % 4 == 0, otherwise
     `ggml_vec_dot_f32` for each (activation row, weight row)."""
-    return float_matmul(w, a, GGMLType.F32)
+    return float_matmul(w, a, GGMLType.F32, isa)
 
 
-def matmul_f16(w: np.ndarray, a: np.ndarray) -> np.ndarray:
+def matmul_f16(w: np.ndarray, a: np.ndarray, isa: str = "avx512") -> np.ndarray:
     """w: F16 weight rows (out, in) as float16 values, u16 bits or bytes u8 (out, 2*in); a: the activation rows
     converted to f16 (T, in), same encodings (`float_activations(x, GGMLType.F16)`). Returns y f32 (T, out):
     `tinyBLAS<16, __m512, __m512, ggml_fp16_t, ggml_fp16_t, float>` (the driver's second `llamafile_sgemm`
     call, after converting the activations) when T >= 2, in % 16 == 0 and out % 4 == 0, otherwise
     `ggml_vec_dot_f16`."""
-    return float_matmul(w, a, GGMLType.F16)
+    return float_matmul(w, a, GGMLType.F16, isa)
 
 
-def matmul_bf16(w: np.ndarray, a: np.ndarray) -> np.ndarray:
+def matmul_bf16(w: np.ndarray, a: np.ndarray, isa: str = "avx512") -> np.ndarray:
     """w: BF16 weight rows (out, in) as u16 bits or bytes u8 (out, 2*in); a: the activation rows converted to
     bf16, u16 bits (T, in) (`float_activations(x, GGMLType.BF16)`). Returns y f32 (T, out):
     `tinyBLAS<32, __m512, __m512bh, ggml_bf16_t, ggml_bf16_t, float>` when T >= 2, in % 32 == 0 and
     out % 4 == 0, otherwise `ggml_vec_dot_bf16`."""
-    return float_matmul(w, a, GGMLType.BF16)
+    return float_matmul(w, a, GGMLType.BF16, isa)
 
 
 KERNELS: dict[GGMLType, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {

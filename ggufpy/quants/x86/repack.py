@@ -152,7 +152,9 @@ def _vec_dot(qa, bs, da, sq, m16, dw, mw, q4_k: bool) -> np.ndarray:
     return y
 
 
-def _matmul(w: np.ndarray, a: np.ndarray, parts: Callable, type_size: int, piece: int) -> np.ndarray:
+def _matmul(
+    w: np.ndarray, a: np.ndarray, parts: Callable, type_size: int, piece: int, repack: bool = True
+) -> np.ndarray:
     w = np.ascontiguousarray(w, np.uint8)
     a = np.ascontiguousarray(a, np.uint8)
     out, T = w.shape[0], a.shape[0]
@@ -165,7 +167,7 @@ def _matmul(w: np.ndarray, a: np.ndarray, parts: Callable, type_size: int, piece
     qa = i8_field(ab, 4, QK_K).astype(np.float32).reshape(T, n)
     bs = ab[:, 260:292].view("<i2").astype(np.float32).reshape(T, nb * 16)
     y = np.empty((T, out), np.float32)
-    repacked = out % 8 == 0  # ggml_repack_get_optimal_repack_type: else the weight stays plain (vec_dot)
+    repacked = repack and out % 8 == 0  # ggml_repack_get_optimal_repack_type: else the weight stays plain (vec_dot)
     n_gemm = T - T % 4 if repacked else 0  # forward_mul_mat_one_chunk: gemm on nrows - nrows % 4 rows
     # output rows per chunk: the decoded weight (4 bytes an element) and the float64 (8 lanes, T, rows) temporaries
     rows = max(8, _CHUNK_BYTES // max(4 * n, (8 if repacked else 64) * T))
@@ -196,6 +198,11 @@ def matmul_q2_k(w: np.ndarray, a: np.ndarray) -> np.ndarray:
     """Q2_K weight rows times Q8_K activation rows: out % 8 == 0, the repacked q2_K_8x8_q8_K gemm/gemv (chosen
     on AVX-512 machines); otherwise the plain `ggml_vec_dot_q2_K_q8_K`."""
     return _matmul(w, a, _q2_k_parts, 84, piece=128)
+
+
+def vec_dot_q2_k(w: np.ndarray, a: np.ndarray) -> np.ndarray:
+    """`matmul_q2_k` on an AVX2 build, which keeps Q2_K weights plain: `ggml_vec_dot_q2_K_q8_K` for any shape."""
+    return _matmul(w, a, _q2_k_parts, 84, piece=128, repack=False)
 
 
 KERNELS: dict[GGMLType, Callable] = {GGMLType.Q4_K: matmul_q4_k, GGMLType.Q2_K: matmul_q2_k}

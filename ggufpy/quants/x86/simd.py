@@ -9,7 +9,21 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["FmaAccumulator", "fma", "hsum_float_8", "reduce_add_ps_512"]
+__all__ = ["ISAS", "FmaAccumulator", "fma", "hadd_reduce_8", "hsum_float_8", "isa_of", "reduce_add_ps_512"]
+
+# The x86 builds replayed: gcc `-march=native` on an AVX-512 (+ VNNI, BF16) CPU, where the conformance goldens
+# were recorded, and on an AVX2 + FMA + F16C CPU (no AVX-512). They differ in vector width, hence lane order.
+ISAS = ("avx512", "avx2")
+
+
+def isa_of(system_info: str) -> str:
+    """The build in `ISAS` that llama.cpp's `llama_print_system_info()` (as stored in the goldens) describes:
+    "AVX512 = 1" for AVX-512, else "AVX2 = 1" for AVX2 (both need FMA)."""
+    for isa, flag in (("avx512", "AVX512 = 1"), ("avx2", "AVX2 = 1")):
+        if flag in system_info and "FMA = 1" in system_info:
+            return isa
+    raise ValueError(f"llama.cpp build {system_info!r}: no replay of its kernels; replayed: AVX512 or AVX2 with FMA")
+
 
 _MID = np.uint64(1 << 28)  # float64 significand bits below an f32 significand: half an f32 ulp (normal range)
 _LOW = np.uint64((1 << 29) - 1)
@@ -90,3 +104,12 @@ def reduce_add_ps_512(x: np.ndarray) -> np.ndarray:
     t6 = t3[..., 4:] + t3[..., :4]
     t8 = t6[..., :2] + t6[..., 2:]
     return t8[..., 0] + t8[..., 1]
+
+
+def hadd_reduce_8(x: np.ndarray) -> np.ndarray:
+    """The end of simd-mappings.h `GGML_F32x8_REDUCE` (AVX): (..., 8) f32 -> (...,) f32.
+
+    t = low 128 + high 128; two `_mm_hadd_ps`: (t0 + t1) + (t2 + t3). (`hsum_float_8` pairs t0 with t2.)"""
+    x = np.asarray(x, np.float32)
+    t = x[..., :4] + x[..., 4:]  # _mm_add_ps(castps256_ps128(x), extractf128(x, 1))
+    return (t[..., 0] + t[..., 1]) + (t[..., 2] + t[..., 3])

@@ -2,8 +2,9 @@
 
 `ggml_compute_forward_mul_mat` (ggml-cpu.c) first offers every mul_mat to `ggml_compute_forward_mul_mat_tiled`
 (tiled/tiled.cpp). It takes the op when the environment variable GGML_CPU_TILED_MM is unset or non-zero, the
-weight is not in a repacked buffer (`src0->extra == NULL`), the weight type is Q6_K, Q5_K, Q4_K, Q3_K, Q2_K or
-IQ4_XS (or an IQ1/IQ2/IQ3 type, not emulated here) and the activation has T >= 8 rows (`ggml_tiled_min_batch`).
+weight is not in a repacked buffer (`src0->extra == NULL`), the weight type is Q6_K, Q5_K, Q4_K, Q3_K, Q2_K,
+IQ4_XS or an IQ1/IQ2/IQ3 type (the IQ2 and IQ3 ones emulated here; `iqgrid.py`) and the activation has T >= 8 rows
+(`ggml_tiled_min_batch`).
 For T < 8 the stock vec_dot path runs (ggufpy/quants/x86/kquants.py, iquants.py, repack.py).
 
 Activations: the tiled driver (`ggml_compute_forward_mul_mat_tiled_driver`) converts them with the same
@@ -57,6 +58,7 @@ import numpy as np
 from ...constants import GGMLType
 from ..fields import f16_field, f32_field, i8_field, nibbles, u16_field
 from ..kquants import _q3_k_scales, k4_scales_mins
+from .iqgrid import GRID_TYPES
 from .iquants import _iq4_xs_scaled_quants
 from .kquants import _q3_k_ints, _q5_k_ints, _q6_k_ints
 from .repack import _q2_k_parts, _q4_k_parts
@@ -141,6 +143,18 @@ def _iq4_xs(blocks: np.ndarray) -> _Weights:
     return _Weights(cq, -128 * np.repeat(ls, 2, axis=1), f16_field(blocks, 0)[:, 0])
 
 
+def _grid(ggml_type: GGMLType) -> Callable[[np.ndarray], _Weights]:
+    # unpack: code = signed grid value + 128 with the activation pre-biased (ACTBIAS), both offsets cancelling
+    # in the integers; scale 2 ls + 1 per 32 elements, d times the type's power-of-two constant (`iqgrid.py`)
+    gt = GRID_TYPES[ggml_type]
+
+    def unpack(blocks: np.ndarray) -> _Weights:
+        d, sc, w = gt.ints(blocks)
+        return _Weights(np.repeat(sc.astype(np.float32), gt.sub, axis=1) * w, None, d * np.float32(gt.c))
+
+    return unpack
+
+
 _TYPES: dict[GGMLType, tuple[int, Callable[[np.ndarray], _Weights]]] = {
     GGMLType.Q2_K: (84, _q2_k),
     GGMLType.Q3_K: (110, _q3_k),
@@ -148,6 +162,7 @@ _TYPES: dict[GGMLType, tuple[int, Callable[[np.ndarray], _Weights]]] = {
     GGMLType.Q5_K: (176, _q5_k),
     GGMLType.Q6_K: (210, _q6_k),
     GGMLType.IQ4_XS: (136, _iq4_xs),
+    **{t: (gt.type_size, _grid(t)) for t, gt in GRID_TYPES.items()},
 }
 
 
@@ -259,4 +274,5 @@ KERNELS: dict[GGMLType, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
     GGMLType.Q5_K: matmul_q5_k,
     GGMLType.Q6_K: matmul_q6_k,
     GGMLType.IQ4_XS: matmul_iq4_xs,
+    **{t: _kernel(t) for t in GRID_TYPES},
 }

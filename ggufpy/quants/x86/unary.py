@@ -1,5 +1,5 @@
-"""ggml's elementwise functions on this x86 build: its own SIMD exp (vec.h `ggml_v_expf`, AVX-512 branch), the
-SiLU built on it (`ggml_v_silu`, as `ggml_vec_swiglu_f32` runs it), and glibc 2.36's tanhf (what `ggml_tanh`
+"""ggml's elementwise functions on x86: its own SIMD exp (vec.h `ggml_v_expf`, the AVX-512 and the AVX2 branch),
+the SiLU built on it (`ggml_v_silu`, as `ggml_vec_swiglu_f32` runs it), and glibc 2.36's tanhf (what `ggml_tanh`
 calls), replayed in NumPy bit for bit.
 
 `ggml_v_expf` (ARM optimized-routines exp, 16 lanes, `_mm512_fmadd_ps` / `_mm512_fnmadd_ps` are single-rounding
@@ -10,6 +10,13 @@ FMAs):
     u = b * b
     j = fma(fma(fma(c5, b, c4), u, fma(c3, b, c2)), u, fma(c1, b, 1))    degree-5 polynomial
     e = scalef(j, n) = j * 2^n rounded once;  where |n| > 192: 0 if n <= 0, else +inf
+
+The AVX2 branch (8 lanes) computes the same polynomial except its last term, `c1 * b` instead of
+`fma(c1, b, 1)`, and scales by bit arithmetic instead of `scalef`:
+
+    k = bits(bits(z) << 23 + bits(1.0f)) = 2^n;  e = fma(k, j, k)                  |n| <= 126
+    s1, s2 = two powers of two splitting 2^n;  e = fma(s2, j, s2) * s1             126 < |n| <= 192
+    e = s1 * s1 (0 or +inf)                                                        |n| > 192
 
 tanhf is glibc 2.36's (the libm this llama.cpp links; sysdeps/ieee754/flt-32/s_tanhf.c and s_expm1f.c, the
 fdlibm float code, compiled for baseline x86-64: plain f32 operations, no FMA). glibc 2.41 replaced it with a
@@ -26,7 +33,7 @@ import numpy as np
 
 from .simd import fma
 
-__all__ = ["silu_rows", "tanhf_glibc", "v_expf_512"]
+__all__ = ["V_EXPF", "silu_rows", "tanhf_glibc", "v_expf_256", "v_expf_512"]
 
 _f32 = np.float32
 
@@ -67,6 +74,37 @@ def v_expf_512(x: np.ndarray) -> np.ndarray:
     alt = np.where(nn <= 0, _f32(0), _f32(np.inf))
     out = np.where(big | ~finite, alt, res)
     return np.where(np.isnan(x), x, out)
+
+
+# -- ggml_v_expf, AVX2 + FMA branch (ggml-cpu/vec.h) ---------------------------------------------------------------
+
+
+def _u32(x: np.ndarray) -> np.ndarray:
+    return np.asarray(x, _f32).view(np.uint32)
+
+
+def v_expf_256(x: np.ndarray) -> np.ndarray:
+    """vec.h `ggml_v_expf(__m256)` elementwise on f32 (every lane is independent: the branch on "any lane has
+    |n| > 126" only skips a blend whose other lanes keep the fast value). Integer lanes wrap as in the C code."""
+    x = np.asarray(x, _f32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        z = fma(x, _LOG2E, _EXP_SHIFT)
+        n = z - _EXP_SHIFT
+        b = fma(-n, _LN2_LO, fma(-n, _LN2_HI, x))  # _mm256_fnmadd_ps: -(a*b) + c, one rounding
+        e = _u32(z) << np.uint32(23)  # _mm256_slli_epi32(castps_si256(z), 23)
+        k = (e + _u32(_f32(1))).view(_f32)  # 2^n as bits
+        an = np.abs(n)
+        u = b * b
+        j = fma(fma(fma(_C5, b, _C4), u, fma(_C3, b, _C2)), u, _C1 * b)
+        g = np.where(n <= 0, np.uint32(0x82000000), np.uint32(0))
+        s1 = (g + np.uint32(0x7F000000)).view(_f32)
+        s2 = (e - g).view(_f32)
+        out = np.where(an > 126, fma(s2, j, s2) * s1, fma(k, j, k))
+        return np.where(an > 192, s1 * s1, out)
+
+
+# ggml_v_expf by x86 build (`simd.ISAS`), and the vector width its loops step by.
+V_EXPF = {"avx512": (v_expf_512, 16), "avx2": (v_expf_256, 8)}
 
 
 # -- glibc 2.36 tanhf -------------------------------------------------------------------------------------------
@@ -169,17 +207,18 @@ def _silu_scalar(x: np.ndarray) -> np.ndarray:
     return x / (_f32(1) + e)
 
 
-def silu_rows(x: np.ndarray) -> np.ndarray:
-    """SiLU of f32 rows (..., n) as `ggml_vec_swiglu_f32` / `ggml_vec_silu_f32` compute each row: the first
-    n - n % 16 values by `ggml_v_silu` (x / (1 + ggml_v_expf(-x)), f32 add and division), the rest by the
-    scalar `ggml_silu_f32`."""
+def silu_rows(x: np.ndarray, isa: str = "avx512") -> np.ndarray:
+    """SiLU of f32 rows (..., n) as `ggml_vec_swiglu_f32` / `ggml_vec_silu_f32` compute each row on the `isa`
+    build: the first n - n % width values (width 16 on AVX-512, 8 on AVX2) by `ggml_v_silu`
+    (x / (1 + ggml_v_expf(-x)), f32 add and division), the rest by the scalar `ggml_silu_f32`."""
+    v_expf, width = V_EXPF[isa]
     x = np.asarray(x, _f32)
     n = x.shape[-1]
-    body = n - n % 16
+    body = n - n % width
     out = np.empty_like(x)
     with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
         xb = x[..., :body]
-        out[..., :body] = xb / (_f32(1) + v_expf_512(_f32(0) - xb))
+        out[..., :body] = xb / (_f32(1) + v_expf(_f32(0) - xb))
         if body < n:
             out[..., body:] = _silu_scalar(x[..., body:])
     return out

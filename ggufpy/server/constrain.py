@@ -1,0 +1,128 @@
+"""Structured output: a request's grammar as a token mask applied to its logits before each sampling step.
+
+    table = token_table(model.tokenizer)                    # once per model (~0.6 s for a 49k vocabulary)
+    grammar = compile_grammar("json_schema", schema, table)  # GrammarError (a 400) when it is not valid
+    constraint = Constraint(table, grammar)                  # one per choice
+    logits = constraint.apply(logits); token = sample(logits); constraint.advance(token)
+
+The grammars are llguidance's (JSON schema, Lark; GBNF through its `gbnf_to_lark`, as llama.cpp's server
+accepts). The mask is a pure function of the request's own tokens, so a constrained row stays batch-invariant.
+llguidance needs the vocabulary as token bytes: built here from the GGUF vocabulary (`Vocab.pieces`), control
+tokens prefixed with 0xFF as llguidance's llama.cpp adapter marks them (`llguidance/llamacpp.py`), so grammar
+text never matches a control token's spelling.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ..tokenizer.vocab import TokenAttr
+
+# JSON without optional whitespace: a free `[ \n\t]*` between tokens lets a small model pad forever
+JSON_DEFAULTS = {"whitespace_flexible": False}
+SPECIAL_PREFIX = b"\xff"  # llguidance's marker of a special token's bytes
+
+
+class GrammarError(ValueError):
+    """A response_format, grammar or tool schema that cannot be compiled (shown to the client as a 400)."""
+
+
+def _llguidance():
+    try:
+        import llguidance
+    except ImportError as e:  # the `server` extra installs it
+        raise GrammarError(f"structured output needs llguidance (pip install 'ggufpy[server]'): {e}") from None
+    return llguidance
+
+
+@functools.lru_cache(maxsize=4)
+def token_table(tokenizer):
+    """llguidance's `LLTokenizer` for a ggufpy `Tokenizer`: every id's bytes, the end-of-generation ids as EOS."""
+    llg = _llguidance()
+    vocab = tokenizer.vocab
+    control = int(TokenAttr.CONTROL)
+    pieces = [SPECIAL_PREFIX + p if a & control else p for p, a in zip(vocab.pieces, vocab.attrs.tolist(), strict=True)]
+
+    class _Vocabulary:  # what `llguidance.TokenizerWrapper` reads
+        eos_token_id = tokenizer.eos_id
+        bos_token_id = tokenizer.bos_id
+        tokens = pieces
+        special_token_ids = tuple(vocab.special_tokens)
+
+        def __call__(self, text: str) -> list[int]:
+            return tokenizer.encode(text, add_special=False, parse_special=False)
+
+    eog = sorted(tokenizer.eog_ids) or [tokenizer.eos_id]
+    return llg.LLTokenizer(llg.TokenizerWrapper(_Vocabulary()), eos_token=eog)
+
+
+def _json_schema(schema: Any) -> str:
+    if not isinstance(schema, dict):
+        raise GrammarError(f"a JSON schema must be an object, got {type(schema).__name__}: {schema!r:.80}")
+    return _llguidance().LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_DEFAULTS)
+
+
+def _gbnf(text: str) -> str:
+    from llguidance.gbnf_to_lark import gbnf_to_lark
+
+    try:
+        lark = gbnf_to_lark(text)
+    except Exception as e:  # the converter raises bare Exceptions for unknown rules
+        raise GrammarError(f"grammar: not valid GBNF: {e}") from None
+    return _llguidance().LLMatcher.grammar_from_lark(lark)
+
+
+# grammar kind -> its source to llguidance's grammar string (not yet checked against the vocabulary)
+GRAMMARS: dict[str, Callable[[Any], str]] = {
+    "json_object": lambda _: _json_schema({"type": "object"}),
+    "json_schema": _json_schema,
+    "gbnf": _gbnf,
+    "lark": lambda text: _llguidance().LLMatcher.grammar_from_lark(text),
+}
+
+
+def compile_grammar(kind: str, source: Any, table) -> str:
+    """llguidance's grammar for `source` of `kind` (a key of `GRAMMARS`), checked against the vocabulary."""
+    if kind not in GRAMMARS:
+        raise GrammarError(f"grammar kind {kind!r}: expected one of {sorted(GRAMMARS)}")
+    grammar = GRAMMARS[kind](source)
+    is_error, messages = _llguidance().LLMatcher.validate_grammar_with_warnings(grammar, table)
+    if is_error:
+        raise GrammarError(f"{kind}: {messages[0] if messages else 'invalid'}")
+    return grammar
+
+
+class Constraint:
+    """One sequence's grammar state: which tokens may come next (`apply`), and the token that came (`advance`)."""
+
+    def __init__(self, table, grammar: str):
+        llg = _llguidance()
+        self.matcher = llg.LLMatcher(table, grammar, log_level=0)
+        if self.matcher.is_error():
+            raise GrammarError(self.matcher.get_error())
+        self.n_vocab = table.vocab_size
+        self._bits = np.zeros((self.n_vocab + 31) // 32, np.int32)
+
+    def apply(self, logits: np.ndarray) -> np.ndarray:
+        """A copy of `logits` (V,) with every token the grammar forbids here at -inf."""
+        self.matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
+        allowed = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[: self.n_vocab].astype(bool)
+        out = np.full(logits.shape, -np.inf, dtype=logits.dtype)
+        n = min(self.n_vocab, logits.shape[0])  # ids past the vocabulary (padding rows) stay forbidden
+        out[:n] = np.where(allowed[:n], logits[:n], -np.inf)
+        return out
+
+    def advance(self, token: int) -> None:
+        """Move past `token` (one `apply` allowed); a token the grammar refuses is a bug, reported as ValueError."""
+        if not self.matcher.consume_token(int(token)):
+            raise ValueError(f"structured output: token {token} does not fit the grammar: {self.matcher.get_error()}")
+
+    @property
+    def finished(self) -> bool:
+        """The grammar is complete and admits nothing more: the response ends here."""
+        return self.matcher.is_stopped()

@@ -1,0 +1,298 @@
+"""Tool calling: `tools` rendered into the prompt, the model's calls parsed back into OpenAI's `tool_calls`.
+
+A model writes its calls in its family's format (`FORMATS`): Hermes / Qwen `<tool_call>{json}</tool_call>`,
+Llama 3's bare JSON object. The chat template says which (`detect`): a template that renders `tools` itself
+gets them as `tools=`; one that does not (SmolLM2's) gets them as a Hermes system message written here, as
+Qwen 2.5's template writes it, and its replies are read as Hermes calls.
+
+`tool_choice` "required" or a named function forces a valid call with a grammar (`forcing_grammar`, through
+structured output); "auto" leaves the model free and parses what it writes; "none" renders no tools.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+# Qwen 2.5's tool system prompt (its tokenizer_config.json chat template), for templates that render no tools
+HERMES_SYSTEM = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within <tool_call></tool_call> "
+    'XML tags:\n<tool_call>\n{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
+)
+NO_WHITESPACE = {"x-guidance": {"whitespace_flexible": False}}  # forced calls as compact JSON (constrain.py says why)
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    """How one model family writes a call: between `open` and `close` (Hermes), or as the whole reply, a JSON
+    object after an optional `prefix` (Llama 3: `open` is None). `arguments_key` names the arguments' field."""
+
+    name: str
+    open: str | None
+    close: str | None
+    arguments_key: str
+    prefix: str = ""
+    template_marks: tuple[str, ...] = ()  # text in a chat template that says it renders this format
+
+
+FORMATS: dict[str, ToolFormat] = {
+    f.name: f
+    for f in (
+        ToolFormat("hermes", "<tool_call>", "</tool_call>", "arguments", template_marks=("<tool_call>",)),
+        # Llama 3.1-3.3: `{"name": ..., "parameters": {...}}`, after <|python_tag|> in some replies
+        ToolFormat("llama3", None, None, "parameters", "<|python_tag|>", ("<|python_tag|>", '"parameters"')),
+        # gpt-oss's harmony (`<|channel|>commentary to=functions.NAME ... <|message|>{args}<|call|>`) goes here
+        # with its own reader when issue 9's gpt-oss lands
+    )
+}
+
+
+def detect(template_source: str) -> tuple[ToolFormat, bool]:
+    """(the format a chat template's model writes calls in, whether the template renders `tools` itself)."""
+    native = "tools" in template_source
+    for fmt in FORMATS.values():
+        if native and any(mark in template_source for mark in fmt.template_marks):
+            return fmt, True
+    return FORMATS["hermes"], False
+
+
+def check_tools(tools: Sequence[Mapping[str, Any]], choice: Any) -> str | None:
+    """The function name `choice` forces (None: any), after checking the tools and the choice; ValueError if bad."""
+    names = []
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if tool.get("type", "function") == "function" else None
+        if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise ValueError(f"tools[{i}]: expected {{'type': 'function', 'function': {{'name': ..., ...}}}}")
+        if not isinstance(fn.get("parameters", {}), Mapping):
+            raise ValueError(f"tools[{i}].function.parameters: must be a JSON schema object")
+        names.append(fn["name"])
+    if isinstance(choice, Mapping):
+        name = (choice.get("function") or {}).get("name")
+        if name not in names:
+            raise ValueError(f"tool_choice names the function {name!r}; the tools are {names}")
+        return name
+    return None
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """What a chat request's tools make of it: the messages and `tools=` for the template, the format its
+    reply is read in (None: plain content) and the grammar forcing a call (None: the model is free)."""
+
+    messages: list[dict]
+    tools: list[dict] | None
+    format: ToolFormat | None
+    grammar: str | None
+
+
+def plan(template_source: str, messages: list[dict], tools, choice, parallel: bool) -> ToolPlan:
+    """The `ToolPlan` of a request (ValueError for bad tools or choice). Without tools and without earlier
+    calls the messages pass as they are."""
+    offered = tools if tools and choice != "none" else None
+    if not tools and not any(m.get("tool_calls") or m.get("role") == "tool" for m in messages):
+        return ToolPlan(messages, None, None, None)
+    forced = check_tools(tools or [], choice)
+    fmt, native = detect(template_source)
+    messages, passed = render_tools(fmt, native, messages, offered)
+    grammar = None
+    if offered and (forced is not None or choice == "required"):
+        grammar = forcing_grammar(fmt, offered, forced, parallel)
+    return ToolPlan(messages, passed, fmt if offered else None, grammar)
+
+
+def render_tools(
+    fmt: ToolFormat, native: bool, messages: list[dict], tools: list[dict] | None
+) -> tuple[list[dict], Any]:
+    """(messages, the `tools=` value) for the template: native templates get tools as they are; the others a
+    Hermes system message (none when `tools` is None) and earlier calls / results written as Hermes text."""
+    messages = [_arguments_as_objects(m) for m in messages]
+    if native:
+        return messages, tools
+    out = []
+    for m in messages:
+        if m.get("role") == "assistant" and m.get("tool_calls"):
+            calls = "\n".join(
+                f"<tool_call>\n{json.dumps(_call_object(c, 'arguments'), ensure_ascii=False)}\n</tool_call>"
+                for c in m["tool_calls"]
+            )
+            m = {"role": "assistant", "content": ((m.get("content") or "") + "\n" + calls).strip()}
+        elif m.get("role") == "tool":
+            m = {"role": "user", "content": f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"}
+        out.append(m)
+    if not tools:
+        return out, None
+    system = HERMES_SYSTEM.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+    if out and out[0].get("role") in ("system", "developer") and isinstance(out[0].get("content"), str):
+        out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + system}
+    else:
+        out.insert(0, {"role": "system", "content": system})
+    return out, None
+
+
+def _arguments_as_objects(message: dict) -> dict:
+    """Templates read `tool_calls[i].function.arguments` as an object; OpenAI sends a JSON string."""
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    fixed = []
+    for c in calls:
+        fn = dict(c.get("function") or {})
+        if isinstance(fn.get("arguments"), str):
+            try:
+                fn["arguments"] = json.loads(fn["arguments"])
+            except json.JSONDecodeError:
+                pass  # left as the string the client sent
+        fixed.append({**c, "function": fn})
+    return {**message, "tool_calls": fixed}
+
+
+def _call_object(call: Mapping[str, Any], key: str) -> dict:
+    fn = call.get("function") or {}
+    return {"name": fn.get("name"), key: fn.get("arguments", {})}
+
+
+def forcing_grammar(fmt: ToolFormat, tools: Sequence[Mapping[str, Any]], name: str | None, parallel: bool) -> str:
+    """A Lark grammar (llguidance) whose sentences are calls of `name` (or of any tool) in `fmt`, arguments
+    valid against the tool's parameters; one call, or one or more when `parallel`."""
+    schemas = []
+    for tool in tools:
+        fn = tool["function"]
+        if name is not None and fn["name"] != name:
+            continue
+        params = dict(fn.get("parameters") or {"type": "object"})
+        props = {"name": {"const": fn["name"]}, fmt.arguments_key: params}
+        required = ["name", fmt.arguments_key]
+        schemas.append({"type": "object", "properties": props, "required": required, "additionalProperties": False})
+    schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    body = "%json " + json.dumps({**schema, **NO_WHITESPACE})
+    if fmt.open is not None:
+        body = f"{json.dumps(fmt.open + chr(10))} {body} {json.dumps(chr(10) + fmt.close)}"
+    sep = '"\\n"' if fmt.open is not None else '";"'
+    return f"start: call ({sep} call)*\ncall: {body}\n" if parallel else f"start: call\ncall: {body}\n"
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # a JSON object's text, as OpenAI sends it
+    id: str
+
+    def as_openai(self, index: int | None = None) -> dict:
+        out = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        return out if index is None else {"index": index, **out}
+
+
+def _to_call(obj: Any, fmt: ToolFormat) -> ToolCall | None:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get(fmt.arguments_key, obj.get("arguments", obj.get("parameters")))
+    if not isinstance(args, dict):
+        return None
+    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False), f"call_{uuid.uuid4().hex[:24]}")
+
+
+class ToolCallReader:
+    """Reads a reply as it streams: `feed(text)` and `close()` return the pieces it can release, each a
+    string of content or a `ToolCall`. Text that may begin a call is held until it is known; a call that does
+    not parse is released as the text it was."""
+
+    def __init__(self, fmt: ToolFormat):
+        self.fmt = fmt
+        self.buffer = ""
+        self.calls = 0  # calls read so far
+        self.calls_sent = 0  # of which streamed (the index of the next tool-call delta)
+        self.whole = fmt.open is None  # Llama 3: a reply that starts as JSON is held to the end
+        self.holding_all = False
+
+    def feed(self, text: str) -> list[str | ToolCall]:
+        self.buffer += text
+        return self._release(final=False)
+
+    def close(self) -> list[str | ToolCall]:
+        return self._release(final=True)
+
+    def _release(self, final: bool) -> list[str | ToolCall]:
+        return self._whole_reply(final) if self.whole else self._tagged(final)
+
+    def _tagged(self, final: bool) -> list[str | ToolCall]:
+        fmt, out = self.fmt, []
+        while True:
+            start = self.buffer.find(fmt.open)
+            if start < 0:
+                keep = 0 if final else _partial_suffix(self.buffer, fmt.open)
+                out.append(self.buffer[: len(self.buffer) - keep])
+                self.buffer = self.buffer[len(self.buffer) - keep :]
+                break
+            end = self.buffer.find(fmt.close, start)
+            if end < 0 and not final:
+                out.append(self.buffer[:start])
+                self.buffer = self.buffer[start:]
+                break
+            inner = self.buffer[start + len(fmt.open) : end if end >= 0 else None]
+            call = _to_call(_json(inner), fmt)
+            stop = len(self.buffer) if end < 0 else end + len(fmt.close)
+            out += [self.buffer[:start], call if call else self.buffer[start:stop]]
+            self.calls += call is not None
+            self.buffer = self.buffer[stop:]
+        return [p for p in out if p]
+
+    def _whole_reply(self, final: bool) -> list[str | ToolCall]:
+        if not self.holding_all:
+            head = self.buffer.lstrip()
+            prefix = self.fmt.prefix
+            if head.startswith("{") or (prefix and head.startswith(prefix)):
+                self.holding_all = True  # a call, or text that looks like one: known at the end
+            elif not final and (not head or (prefix and prefix.startswith(head))):
+                return []  # too short to tell yet
+            else:
+                self.whole = False  # plain content: released as it comes, from now on
+                self.fmt = _CONTENT_ONLY
+                return self._tagged(final)
+        if not final:
+            return []
+        text, self.buffer = self.buffer, ""
+        body = text.strip().removeprefix(self.fmt.prefix) if self.fmt.prefix else text.strip()
+        calls = [_to_call(obj, self.fmt) for obj in _json_sequence(body)]
+        if calls and all(calls):
+            self.calls += len(calls)
+            return calls
+        return [text] if text else []
+
+
+# a reply that turned out to be plain text: `_tagged` with a tag no text contains releases everything
+_CONTENT_ONLY = ToolFormat("content", "\x00<no call>", "\x00", "arguments")
+
+
+def _json(text: str) -> Any:
+    try:
+        return json.loads(text.strip())
+    except (json.JSONDecodeError, ValueError):
+        return None
+
+
+def _json_sequence(text: str) -> list[Any]:
+    """The JSON values of `text` written one after another, `;` or whitespace between (Llama 3's parallel
+    calls); [None] when something else is in it."""
+    decoder, out, pos = json.JSONDecoder(), [], 0
+    while pos < len(text):
+        try:
+            value, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            return [None]
+        out.append(value)
+        while pos < len(text) and text[pos] in "; \t\r\n":
+            pos += 1
+    return out
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest end of `text` that is a proper beginning of `tag` (held: it may become a tag)."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
