@@ -63,7 +63,7 @@ def test_goldens_are_tied_to_the_fixtures_and_fit_the_budget():
         assert goldens[name]["sha256"] == fixtures[name]["sha256"], f"golden {name} was recorded from another file"
         assert goldens[name]["settings"]["flash_attn"] is False and goldens[name]["settings"]["kv_type"] == "F16"
         assert goldens[name]["n_tokens"] >= 100
-    assert sum(p.stat().st_size for p in GOLDEN_DIR.iterdir()) < 28_000_000  # 20 MB before issues 12-13
+    assert sum(p.stat().st_size for p in GOLDEN_DIR.iterdir()) < 29_000_000  # 20 MB before issues 12-13
 
 
 def test_every_registered_quant_type_is_covered():

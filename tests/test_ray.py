@@ -16,6 +16,8 @@ import os
 import signal
 import socket
 import threading
+import time
+from pathlib import Path
 
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # bind every node to 127.0.0.1 (shared docs, local-services)
 
@@ -32,6 +34,7 @@ from ggufpy.sampling import SamplingParams  # noqa: E402 (after the environment 
 from tests.models import gemma3_path, smollm2_path  # noqa: E402 (after the environment variable above)
 
 GB = 1 << 30
+FIXTURES = Path(__file__).resolve().parents[1] / "conformance" / "fixtures"
 NUMPY = {"cache_bytes": GB}
 CTX = 256
 PROMPT = [1, 504, 3458, 282, 4649, 314]  # "The capital of France is" (SmolLM2 ids; any ids do for equality)
@@ -286,6 +289,43 @@ def test_serve_on_the_cluster(cluster, whole, monkeypatch):
     (answer,) = answers
     assert answer["choices"][0]["text"] == want.text
     assert len(alive_stage_actors(cluster)) == before
+
+
+def test_slow_stage_fails_only_its_requests(whole, pipe2):
+    """Stage 1 stalls past the step timeout while a request decodes: that request fails naming the timeout, its
+    late step is dropped, its state is released, and the next request equals the whole model (nothing of the
+    timed-out request leaked into it)."""
+    restored, timeout, pipe2.step_timeout = pipe2.restored, pipe2.step_timeout, 6.0
+    try:
+        gen = pipe2.submit(PROMPT, max_tokens=200, sampling=SamplingParams(temperature=0.8, seed=3))
+        next(gen)
+        stall = pipe2.stages[1].__ray_call__.remote(lambda stage: time.sleep(15))  # runs on the actor, in order
+        with pytest.raises(StageFailedError, match=r"no answer within 6 s"):
+            for _ in gen:
+                pass
+        ray.get(stall, timeout=120)
+    finally:
+        pipe2.step_timeout = timeout
+    got = pipe2.generate(PROMPT, max_tokens=6, sampling=SamplingParams(temperature=0))
+    assert got.token_ids == greedy(whole, PROMPT, 6).token_ids
+    assert [i["requests"] for i in pipe2.info()] == [0, 0]  # the timed-out request's caches are gone too
+    assert pipe2.restored == restored  # slow is not dead: no stage was restarted
+
+
+@pytest.mark.parametrize("name", ["qwen35_f32", "qwen35moe_f32"])
+def test_hybrid_model_split_equals_whole(cluster, name):
+    """Gated DeltaNet + attention layers (and MoE) through two stages: each stage keeps its own layers' conv,
+    recurrent and KV state; logits and greedy tokens equal the whole model's bit for bit."""
+    path = str(FIXTURES / f"{name}.gguf")
+    one = ggufpy.load(path, backend="numpy", tokenizer=True, **NUMPY)
+    n = one.config.n_layers
+    ranges = [range(0, n // 2), range(n // 2, n)]
+    with RayPipeline(path, ranges=ranges, ctx_size=CTX, backend_options=NUMPY, num_cpus=0, warmup=False) as pipe:
+        prompt = list(range(3, 40))
+        for a, b in zip(reference(one, prompt), through(pipe, prompt), strict=True):
+            assert np.array_equal(a, b)
+        want = greedy(one, prompt, 8)
+        assert pipe.generate(prompt, max_tokens=8, sampling=SamplingParams(temperature=0)).token_ids == want.token_ids
 
 
 def test_kill_worker_node_mid_generation(cluster, whole, pipe2):
