@@ -176,6 +176,8 @@ def create_app(
     async def generate(request: Request, body, prompt: list[int], chat: bool, spec=None, tool_format=None):
         top = (body.top_logprobs or 0) if chat and body.logprobs else (body.logprobs if not chat else None)
         spec, param = (spec, "tools") if spec is not None else grammar_spec(body)
+        if param == "response_format":  # harmony: in a final message (tools.structured)
+            spec = toolcalls.structured(tool_format, spec)
         grammar = await compile_(spec, param)
         if grammar is None:
             jobs_ = jobs(body, prompt, top, None)
@@ -216,14 +218,8 @@ def create_app(
             if chat:
                 lp = {"content": [chat_logprobs(e) for e in lps[i]]} if body.logprobs else None
                 message = {"role": "assistant", "content": text}
-                if tool_format is not None:
-                    reader = toolcalls.ToolCallReader(tool_format)
-                    pieces = [*reader.feed(text), *reader.close()]
-                    calls = [p.as_openai() for p in pieces if isinstance(p, toolcalls.ToolCall)]
-                    if calls:
-                        content = "".join(p for p in pieces if isinstance(p, str)).strip()
-                        message = {"role": "assistant", "content": content or None, "tool_calls": calls}
-                        finish = "tool_calls" if finish == "stop" else finish
+                if tool_format is not None:  # calls, and reasoning (harmony), out of the text
+                    message, finish = toolcalls.reply(tool_format, text, finish)
                 choice = {"index": i, "message": message, "logprobs": lp}
             else:
                 lp = None
@@ -248,18 +244,13 @@ def create_app(
     async def _chunks(stream, head, obj, chat: bool, body, tool_format=None):
         obj += ".chunk" if chat else ""
         ends: list[Event] = []
-        readers = [toolcalls.ToolCallReader(tool_format) for _ in range(body.n)] if tool_format else None
+        readers = [toolcalls.reader(tool_format) for _ in range(body.n)] if tool_format else None
 
-        def deltas(i: int, pieces) -> list[str]:  # content and tool-call deltas, as OpenAI streams them
-            out = []
-            for p in pieces:
-                if isinstance(p, str):
-                    delta = {"content": p}
-                else:
-                    delta = {"tool_calls": [p.as_openai(index=readers[i].calls_sent)]}
-                    readers[i].calls_sent += 1
-                out.append(json.dumps({**head, "object": obj, "choices": [_choice(i, delta, None, chat)]}))
-            return out
+        def deltas(i: int, pieces) -> list[str]:  # content, reasoning and tool-call deltas, as OpenAI streams them
+            return [
+                json.dumps({**head, "object": obj, "choices": [_choice(i, toolcalls.delta(p, readers[i]), None, chat)]})
+                for p in pieces
+            ]
 
         if chat:
             for i in range(body.n):
@@ -321,7 +312,7 @@ def create_app(
             if body.grammar or (body.response_format and body.response_format.type != "text"):
                 raise APIError(400, "tool_choice forces a call: it cannot be combined with a grammar", param="tools")
             spec = ("lark", plan.grammar)
-        messages, kwargs, tool_format = plan.messages, {"tools": plan.tools}, plan.format
+        messages, kwargs, tool_format = plan.messages, {**body.template_variables(), "tools": plan.tools}, plan.format
         try:
             prompt = encode_chat(tokenizer, messages, template, **kwargs)
         except Exception as e:  # a template that rejects these messages (roles out of order, ...)

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_N = 8  # choices per request: each is a slot's worth of work
+# template variables the server sets itself (`ChatTemplate.render`'s arguments): not in chat_template_kwargs
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
 
 
 class _Body(BaseModel):
@@ -100,6 +102,23 @@ class ChatRequest(Sampling):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool = False  # llama.cpp's default: one forced call (OpenAI's is true)
+    # template variables, as llama.cpp's server takes them: OpenAI's reasoning_effort (gpt-oss's "Reasoning: ..."),
+    # and any others (Qwen 3's enable_thinking, gpt-oss's model_identity, builtin_tools)
+    reasoning_effort: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _not_reserved(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        taken = sorted(set(value or ()) & RESERVED_TEMPLATE_VARIABLES)
+        if taken:
+            raise ValueError(f"sets {taken}: the server sets {sorted(RESERVED_TEMPLATE_VARIABLES)} itself")
+        return value
+
+    def template_variables(self) -> dict[str, Any]:
+        """The chat template's extra variables this request sets."""
+        effort = {} if self.reasoning_effort is None else {"reasoning_effort": self.reasoning_effort}
+        return {**(self.chat_template_kwargs or {}), **effort}
 
 
 class CompletionRequest(Sampling):

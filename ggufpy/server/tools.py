@@ -1,9 +1,10 @@
 """Tool calling: `tools` rendered into the prompt, the model's calls parsed back into OpenAI's `tool_calls`.
 
 A model writes its calls in its family's format (`FORMATS`): Hermes / Qwen `<tool_call>{json}</tool_call>`,
-Llama 3's bare JSON object. The chat template says which (`detect`): a template that renders `tools` itself
-gets them as `tools=`; one that does not (SmolLM2's) gets them as a Hermes system message written here, as
-Qwen 2.5's template writes it, and its replies are read as Hermes calls.
+Llama 3's bare JSON object, gpt-oss's harmony messages (`harmony.py`: every reply of such a model is read, tools
+or not, into content, `reasoning_content` and calls). The chat template says which (`detect`): a template that
+renders `tools` itself gets them as `tools=`; one that does not (SmolLM2's) gets them as a system message
+written here (Qwen 2.5's Hermes tool prompt; harmony's `functions` namespace), and its replies are read as such.
 
 `tool_choice` "required" or a named function forces a valid call with a grammar (`forcing_grammar`, through
 structured output); "auto" leaves the model free and parses what it writes; "none" renders no tools.
@@ -14,8 +15,11 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
+
+from ..chat_encode import REASONING_FIELDS
+from .harmony import CallDelta, HarmonyReader, Reasoning, merge, partial_suffix
 
 # Qwen 2.5's tool system prompt (its tokenizer_config.json chat template), for templates that render no tools
 HERMES_SYSTEM = (
@@ -24,6 +28,12 @@ HERMES_SYSTEM = (
     "For each function call, return a json object with function name and arguments within <tool_call></tool_call> "
     'XML tags:\n<tool_call>\n{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
 )
+# harmony's tool declarations (the gpt-oss template's developer message), parameters as JSON schemas
+HARMONY_SYSTEM = "# Tools\n\n## functions\n\nnamespace functions {{\n\n{tools}}} // namespace functions"
+HARMONY_TOOL = "// {description}\ntype {name} = (_: {parameters}) => any;\n\n"
+# how gpt-oss writes a call (openai-harmony's rendering of a recipient and a constrained body), in Lark: its
+# <|...|> are tokens (llguidance's special-token syntax), which no text spelling them may stand for
+HARMONY_CALL = '<|channel|> "commentary to=functions.{name} " <|constrain|> "json" <|message|>'
 NO_WHITESPACE = {"x-guidance": {"whitespace_flexible": False}}  # forced calls as compact JSON (constrain.py says why)
 
 
@@ -38,16 +48,19 @@ class ToolFormat:
     arguments_key: str
     prefix: str = ""
     template_marks: tuple[str, ...] = ()  # text in a chat template that says it renders this format
+    always: bool = False  # every reply is in this format, tools or not (harmony's channels)
+    calls: bool = True  # calls are read (False: no tools were offered, a call is dropped)
 
 
 FORMATS: dict[str, ToolFormat] = {
     f.name: f
     for f in (
+        # gpt-oss: `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{args}`; its templates
+        # (the real one, llama.cpp's built-in) are the only ones writing <|message|>
+        ToolFormat("harmony", None, None, "arguments", template_marks=("<|message|>",), always=True),
         ToolFormat("hermes", "<tool_call>", "</tool_call>", "arguments", template_marks=("<tool_call>",)),
         # Llama 3.1-3.3: `{"name": ..., "parameters": {...}}`, after <|python_tag|> in some replies
         ToolFormat("llama3", None, None, "parameters", "<|python_tag|>", ("<|python_tag|>", '"parameters"')),
-        # gpt-oss's harmony (`<|channel|>commentary to=functions.NAME ... <|message|>{args}<|call|>`) goes here
-        # with its own reader when issue 9's gpt-oss lands
     )
 }
 
@@ -56,8 +69,8 @@ def detect(template_source: str) -> tuple[ToolFormat, bool]:
     """(the format a chat template's model writes calls in, whether the template renders `tools` itself)."""
     native = "tools" in template_source
     for fmt in FORMATS.values():
-        if native and any(mark in template_source for mark in fmt.template_marks):
-            return fmt, True
+        if (native or fmt.always) and any(mark in template_source for mark in fmt.template_marks):
+            return fmt, native
     return FORMATS["hermes"], False
 
 
@@ -94,23 +107,29 @@ def plan(template_source: str, messages: list[dict], tools, choice, parallel: bo
     """The `ToolPlan` of a request (ValueError for bad tools or choice). Without tools and without earlier
     calls the messages pass as they are."""
     offered = tools if tools and choice != "none" else None
-    if not tools and not any(m.get("tool_calls") or m.get("role") == "tool" for m in messages):
-        return ToolPlan(messages, None, None, None)
-    forced = check_tools(tools or [], choice)
     fmt, native = detect(template_source)
+    read_as = fmt if offered else replace(fmt, calls=False) if fmt.always else None
+    if not tools and not any(m.get("tool_calls") or m.get("role") == "tool" for m in messages):
+        return ToolPlan(messages, None, read_as, None)
+    forced = check_tools(tools or [], choice)
     messages, passed = render_tools(fmt, native, messages, offered)
     grammar = None
     if offered and (forced is not None or choice == "required"):
         grammar = forcing_grammar(fmt, offered, forced, parallel)
-    return ToolPlan(messages, passed, fmt if offered else None, grammar)
+    return ToolPlan(messages, passed, read_as, grammar)
 
 
 def render_tools(
     fmt: ToolFormat, native: bool, messages: list[dict], tools: list[dict] | None
 ) -> tuple[list[dict], Any]:
     """(messages, the `tools=` value) for the template: native templates get tools as they are; the others a
-    Hermes system message (none when `tools` is None) and earlier calls / results written as Hermes text."""
+    system message declaring them in `fmt`'s words (none when `tools` is None) and earlier calls / results
+    written as Hermes text."""
     messages = [_arguments_as_objects(m) for m in messages]
+    if fmt.name == "harmony":
+        messages = [_harmony_turn(m) for m in messages]
+        # gpt-oss's template writes "// " + description: a tool without one (OpenAI's is optional) would fail it
+        tools = tools and [{**t, "function": {"description": "", **t["function"]}} for t in tools]
     if native:
         return messages, tools
     out = []
@@ -126,12 +145,36 @@ def render_tools(
         out.append(m)
     if not tools:
         return out, None
-    system = HERMES_SYSTEM.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+    system = _system_prompt(fmt, tools)
     if out and out[0].get("role") in ("system", "developer") and isinstance(out[0].get("content"), str):
         out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + system}
     else:
         out.insert(0, {"role": "system", "content": system})
     return out, None
+
+
+def _system_prompt(fmt: ToolFormat, tools: list[dict]) -> str:
+    """The tool declarations a template that renders no tools gets in its system message."""
+    if fmt.name != "harmony":
+        return HERMES_SYSTEM.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+    declared = "".join(
+        HARMONY_TOOL.format(
+            description=t["function"].get("description", ""),
+            name=t["function"]["name"],
+            parameters=json.dumps(t["function"].get("parameters") or {"type": "object"}, ensure_ascii=False),
+        )
+        for t in tools
+    )
+    return HARMONY_SYSTEM.format(tools=declared)
+
+
+def _harmony_turn(message: dict) -> dict:
+    """An earlier gpt-oss turn as its template takes it: a call's reasoning goes in `thinking` and its content
+    is dropped (the template refuses both; llama.cpp's `common_chat_params_init_gpt_oss` does the same)."""
+    reasoning = next((message[k] for k in REASONING_FIELDS if isinstance(message.get(k), str)), None)
+    if message.get("role") != "assistant" or reasoning is None or not message.get("tool_calls"):
+        return message
+    return {k: v for k, v in message.items() if k != "content"}
 
 
 def _arguments_as_objects(message: dict) -> dict:
@@ -158,7 +201,10 @@ def _call_object(call: Mapping[str, Any], key: str) -> dict:
 
 def forcing_grammar(fmt: ToolFormat, tools: Sequence[Mapping[str, Any]], name: str | None, parallel: bool) -> str:
     """A Lark grammar (llguidance) whose sentences are calls of `name` (or of any tool) in `fmt`, arguments
-    valid against the tool's parameters; one call, or one or more when `parallel`."""
+    valid against the tool's parameters; one call, or one or more when `parallel`. A harmony call ends the
+    reply (its <|call|> ends the generation): always one."""
+    if fmt.name == "harmony":
+        return _harmony_grammar(tools, name)
     schemas = []
     for tool in tools:
         fn = tool["function"]
@@ -174,6 +220,30 @@ def forcing_grammar(fmt: ToolFormat, tools: Sequence[Mapping[str, Any]], name: s
         body = f"{json.dumps(fmt.open + chr(10))} {body} {json.dumps(chr(10) + fmt.close)}"
     sep = '"\\n"' if fmt.open is not None else '";"'
     return f"start: call ({sep} call)*\ncall: {body}\n" if parallel else f"start: call\ncall: {body}\n"
+
+
+def _harmony_grammar(tools: Sequence[Mapping[str, Any]], name: str | None) -> str:
+    """The reply is one call message (`HARMONY_CALL`) of `name` (or any tool), arguments valid JSON of its schema."""
+    alternatives = []
+    for tool in tools:
+        fn = tool["function"]
+        if name is None or fn["name"] == name:
+            params = dict(fn.get("parameters") or {"type": "object"})
+            head = HARMONY_CALL.format(name=json.dumps(fn["name"])[1:-1])
+            alternatives.append(f"{head} %json {json.dumps({**params, **NO_WHITESPACE})}")
+    return "start: call\ncall: " + "\n    | ".join(alternatives) + "\n"
+
+
+def structured(fmt: ToolFormat | None, spec: tuple[str, Any] | None) -> tuple[str, Any] | None:
+    """A `response_format` grammar (constrain.GRAMMARS' (kind, source)) for a model speaking `fmt`: harmony's
+    JSON goes in a final message (as llama.cpp's gpt-oss grammar puts it), read back as content; others as given."""
+    if fmt is None or fmt.name != "harmony" or spec is None or spec[0] not in ("json_object", "json_schema"):
+        return spec
+    schema = {"type": "object"} if spec[0] == "json_object" else spec[1]
+    if not isinstance(schema, dict):
+        return spec  # compile_grammar names the error
+    body = json.dumps({**schema, **NO_WHITESPACE})
+    return "lark", f'start: <|channel|> "final" (" "? <|constrain|> "json")? <|message|> %json {body}\n'
 
 
 @dataclass(frozen=True)
@@ -224,7 +294,7 @@ class ToolCallReader:
         while True:
             start = self.buffer.find(fmt.open)
             if start < 0:
-                keep = 0 if final else _partial_suffix(self.buffer, fmt.open)
+                keep = 0 if final else partial_suffix(self.buffer, fmt.open)
                 out.append(self.buffer[: len(self.buffer) - keep])
                 self.buffer = self.buffer[len(self.buffer) - keep :]
                 break
@@ -290,9 +360,33 @@ def _json_sequence(text: str) -> list[Any]:
     return out
 
 
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest end of `text` that is a proper beginning of `tag` (held: it may become a tag)."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
+def reader(fmt: ToolFormat) -> ToolCallReader | HarmonyReader:
+    """A fresh reader of one reply in `fmt`."""
+    return HarmonyReader(fmt.calls) if fmt.name == "harmony" else ToolCallReader(fmt)
+
+
+def reply(fmt: ToolFormat, text: str, finish: str) -> tuple[dict, str]:
+    """(the assistant message of a whole reply read in `fmt`, its finish reason: "tool_calls" when it calls)."""
+    r = reader(fmt)
+    pieces = [*r.feed(text), *r.close()]
+    content, reasoning, calls = merge([p for p in pieces if not isinstance(p, ToolCall)])
+    calls = [p.as_openai() for p in pieces if isinstance(p, ToolCall)] + calls
+    message = {"role": "assistant", "content": content}
+    if reasoning:
+        message["reasoning_content"] = reasoning
+    if calls:
+        message.update(content=content.strip() or None, tool_calls=calls)
+        finish = "tool_calls" if finish == "stop" else finish
+    return message, finish
+
+
+def delta(piece: str | ToolCall | Reasoning | CallDelta, r: ToolCallReader | HarmonyReader) -> dict:
+    """A streamed piece as OpenAI's chunk delta (a whole Hermes / Llama 3 call is one tool-call delta)."""
+    if isinstance(piece, str):
+        return {"content": piece}
+    if isinstance(piece, Reasoning):
+        return {"reasoning_content": piece.text}
+    if isinstance(piece, CallDelta):
+        return {"tool_calls": [piece.as_openai()]}
+    r.calls_sent += 1
+    return {"tool_calls": [piece.as_openai(index=r.calls_sent - 1)]}
