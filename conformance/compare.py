@@ -234,7 +234,15 @@ def run_layer(model, i: int, x, trace: dict | None = None) -> np.ndarray:
 
 
 def per_layer(model, ref: Reference) -> list[tuple[str, float]]:
-    """Teacher-forced NMSE of every layer's output (`l_out-N`) and of the output head (`output`)."""
+    """Teacher-forced NMSE of every layer's output (`l_out-N`) and of the output head (`output`). A gemma4
+    layer cannot run alone (a shared-KV layer reads an earlier layer's cache, the per-layer inputs come from the
+    token ids): there, each layer's output of one free-running pass."""
+    if getattr(model.config, "gemma4", None) is not None:
+        trace: dict[str, np.ndarray] = {}
+        tokens = np.asarray(ref.tokens, np.int64)
+        logits = model.forward(tokens, 0, model.new_cache(capacity=len(tokens)), trace=trace)
+        out = [(f"l_out-{i}", nmse(trace[f"l_out-{i}"], ref.tensors[f"l_out-{i}"])) for i in model.layers]
+        return [*out, ("output", ref.logits.nmse(logits))]
     out = [(f"l_out-{i}", nmse(run_layer(model, i, x), ref.tensors[f"l_out-{i}"])) for i, x in layer_inputs(model, ref)]
     n = model.config.n_layers
     out.append(("output", ref.logits.nmse(run_layer(model, n, ref.tensors[f"l_out-{n - 1}"]))))

@@ -20,15 +20,17 @@ class MoE:
 
     # router probabilities from the logits: "softmax" over all experts (qwen*moe), or "softmax_weight": the
     # logits as they are for the choice, a softmax over the chosen ones for their weights (gpt-oss), or "sigmoid":
-    # chosen on the logits, weighted by their sigmoid (llama4: build_moe_ffn's `selection_probs = logits`)
-    gating: Literal["softmax", "softmax_weight", "sigmoid"] = "softmax"
+    # chosen on the logits, weighted by their sigmoid (llama4: build_moe_ffn's `selection_probs = logits`), or
+    # "sigmoid_probs": the sigmoid of every logit, chosen on it and weighted by it (deepseek2's gating func 2)
+    gating: Literal["softmax", "softmax_weight", "sigmoid", "sigmoid_probs"] = "softmax"
     # the weights multiply each chosen expert's input instead of its output (llama4: `weight_before_ffn`)
     weights_on_input: bool = False
     norm_weights: bool = False  # the chosen experts' weights divided by their sum (`norm_w`: qwen3moe)
     # a dense ffn_{gate,up,down}_shexp beside the routed experts: "required" (qwen2moe; its width defaults to
     # feed_forward_length), or "optional": present when expert_shared_feed_forward_length > 0 (granitemoe), or
-    # "expert_width": always there, as wide as a routed expert (llama4: n_ff_shexp = n_ff_exp)
-    shared_expert: Literal["none", "required", "optional", "expert_width"] = "none"
+    # "expert_width": always there, as wide as a routed expert (llama4: n_ff_shexp = n_ff_exp), or "expert_count":
+    # expert_shared_count routed experts' width side by side (deepseek2: n_ff_exp * n_expert_shared)
+    shared_expert: Literal["none", "required", "optional", "expert_width", "expert_count"] = "none"
     # the shared expert's output times sigmoid(x . ffn_gate_inp_shexp), computed as llama.cpp's graph writes it:
     # "silu_div" ggml_div(ggml_silu(g), g) (qwen2moe), "sigmoid" ggml_sigmoid(g) (qwen35moe, qwen3next)
     shared_gate: Literal["silu_div", "sigmoid"] | None = None
@@ -39,6 +41,18 @@ class MoE:
     # the experts' gated unit: act(gate) * up, or gpt-oss's clamped `swiglu_oai` (ggml_swiglu_oai, alpha 1.702,
     # limit 7: min(gate, 7) * sigmoid(1.702 min(gate, 7)) * (clamp(up, -7, 7) + 1))
     glu: Literal["swiglu", "swiglu_oai"] = "swiglu"
+    # deepseek2 (src/models/deepseek2.cpp): gating, norm_weights and weights_scale read from expert_gating_func,
+    # expert_weights_norm and expert_weights_scale (`config.moe_fields`); the first leading_dense_block_count
+    # layers dense; the optional `exp_probs_b` (X,) added to the probabilities for the choice only
+    routing_keys: bool = False
+    leading_dense: bool = False
+    probs_bias: bool = False
+    # from the metadata (`ModelConfig.moe_routing`): the chosen weights times weights_scale unless it is 0 or 1
+    # (ggml_scale); expert groups (any architecture's expert_group_count / _used_count): only the experts of the
+    # `groups_used` groups whose two best scores sum highest compete (build_moe_ffn, DeepSeek-V3's routing)
+    weights_scale: float = 0.0
+    groups: int = 0
+    groups_used: int = 0
 
 
 @dataclass(frozen=True)
@@ -94,8 +108,10 @@ class ArchSpec:
     # `{arch}.logit_scale`: the logits divided by it (granite) or multiplied by it (cohere2)
     logit_scale: Literal["none", "divide", "multiply"] = "none"
     moe: MoE | None = None  # the feed-forward is a mixture of experts (ffn_gate_inp + ffn_*_exps): `ggufpy.moe`
-    # "hybrid": Gated DeltaNet layers beside gated attention layers, a `HybridState` per sequence (`ggufpy.hybrid`)
-    mixer: Literal["attention", "hybrid"] = "attention"
+    # "hybrid": Gated DeltaNet layers beside gated attention layers, a `HybridState` per sequence (`ggufpy.hybrid`);
+    # "gemma4": attention with per-layer shapes, shared-KV layers and per-layer embeddings (`ggufpy.gemma4`)
+    # "mla": deepseek2's multi-head latent attention, a latent K-only cache (`ggufpy.mla`)
+    mixer: Literal["attention", "hybrid", "gemma4", "mla"] = "attention"
     # llama4 (src/models/llama4.cpp): the MoE feed-forward on every `interleave_moe_layer_step`-th layer, dense
     # elsewhere; the `swa_pattern` local layers are chunked (a query sees its own chunk of `CHUNK_SIZE` positions),
     # the global ones NoPE with the temperature; Q and K RMS-normed without weight after RoPE (Llama4TextL2Norm)
@@ -169,6 +185,19 @@ ARCHITECTURES: dict[str, ArchSpec] = {
             swa_pattern=6,
             rope_theta_swa=10000.0,
         ),
+        # Gemma 4 (E2B, E4B, 31B, 26B-A4B): gemma3's block without the Q scaling; the local layers from
+        # attention.sliding_window_pattern, their RoPE base from rope.freq_base_swa (default 10000); the rest is
+        # per layer (`ggufpy.gemma4`: head sizes, shared KV, per-layer embeddings; experts: `ggufpy.gemma4_moe`)
+        ArchSpec(
+            "gemma4",
+            rope_style="neox",
+            activation="gelu_tanh",
+            embed_scale=True,
+            post_norms=True,
+            qk_norm=True,
+            rope_theta_swa=10000.0,
+            mixer="gemma4",
+        ),
         # Mistral Small 3 / Ministral: the llama block, often with YaRN scaling (rope.scaling.type "yarn")
         ArchSpec("mistral3", attn_temperature=True),
         ArchSpec("smollm3", nope_step=4),
@@ -218,6 +247,13 @@ ARCHITECTURES: dict[str, ArchSpec] = {
             multipliers=True,
             logit_scale="divide",
             moe=MoE(norm_weights=True, shared_expert="optional", expert_width_key=False),
+        ),
+        # DeepSeek V2 / V3, Kimi K2, GLM 4.7 Flash: multi-head latent attention, leading dense layers, then shared
+        # and routed experts with the gating, weight norm and scale from the metadata, and expert groups
+        ArchSpec(
+            "deepseek2",
+            mixer="mla",
+            moe=MoE(shared_expert="expert_count", routing_keys=True, leading_dense=True, probs_bias=True),
         ),
         # gpt-oss 20b / 120b: alternating sliding-window and full layers (set_swa_pattern(2)), YaRN from the
         # metadata, Q/K/V/output biases, sinks, and a MoE whose softmax runs over the chosen experts only

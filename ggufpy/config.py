@@ -7,17 +7,21 @@ The forward pass only ever sees a `ModelConfig`, never raw metadata.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from . import schema
-from .arch import ArchSpec, arch_spec
+from .arch import ArchSpec, MoE, arch_spec
 from .deltanet import DeltaNetConfig, deltanet_config
 from .errors import GGUFMetadataError
+from .mla import MLAConfig, mla_config
 from .numerics import logf
 from .ops import RopeExt, yarn_corr_dims
+
+if TYPE_CHECKING:
+    from .gemma4 import Gemma4Config
 
 _FINITE = schema.Rule("a finite number", lambda v: bool(np.isfinite(np.float32(v))))
 _NON_NEGATIVE = schema.Rule("finite and >= 0 in float32", lambda v: bool(np.isfinite(np.float32(v)) and v >= 0))
@@ -56,11 +60,28 @@ MOE_KEYS: dict[str, schema.Key] = {
     "expert_hidden_dim": schema.Key("{arch}.expert_feed_forward_length", "integer", schema.SIZE, default=0),
     "shared_hidden_dim": schema.Key("{arch}.expert_shared_feed_forward_length", "integer", schema.SIZE, default=0),
 }
+# expert groups, which llama.cpp reads for every architecture (`load_hparams`), and deepseek2's routing keys
+# (`MoE.routing_keys`, src/models/deepseek2.cpp): field -> key. expert_gating_func is llama.cpp's
+# llama_expert_gating_func_type; 0 (unset) means softmax, for the DeepSeek V2 files older than the key.
+_COUNT = schema.Rule("an integer >= 0", lambda v: v >= 0)
+GATING_FUNCS = {0: "softmax", 1: "softmax", 2: "sigmoid_probs", 3: "softmax_weight"}
+_GATING = schema.Rule("0, 1 (softmax), 2 (sigmoid) or 3 (softmax_weight), not 4 (sqrt_softplus)", GATING_FUNCS.get)
+GROUP_KEYS: dict[str, schema.Key] = {
+    "groups": schema.Key("{arch}.expert_group_count", "integer", _COUNT, default=0),
+    "groups_used": schema.Key("{arch}.expert_group_used_count", "integer", _COUNT, default=0),
+}
+ROUTING_KEYS: dict[str, schema.Key] = {
+    "n_shared": schema.Key("{arch}.expert_shared_count", "integer", _COUNT, required=True),
+    "weights_scale": schema.Key("{arch}.expert_weights_scale", "number", _FINITE, default=0.0),
+    "norm_weights": schema.Key("{arch}.expert_weights_norm", "bool", default=False),
+    "gating": schema.Key("{arch}.expert_gating_func", "integer", _GATING, default=0),
+    "leading_dense": schema.Key("{arch}.leading_dense_block_count", "integer", _COUNT, default=0),
+}
 
 # llama4 (src/models/llama4.cpp `load_arch_hparams`): literals there, no metadata keys. Chunks of 8192 positions on
 # the chunked layers, the temperature 1 + 0.1 ln(1 + floor((pos + 1) / 8192)) on the NoPE ones; the MoE layers
 # every interleave_moe_layer_step-th (none with 0); Maverick's 128 experts skip the Q/K L2 norm (`use_kq_norm`).
-# (MobileLLM's attention.sliding_window 0, which turns chunking off, is refused by the key's rule, >= 1.)
+# MobileLLM's attention.sliding_window 0 turns chunking off.
 CHUNK_SIZE = 8192
 LLAMA4_TEMPERATURE = dict(attn_temp_scale=0.1, attn_temp_length=8192, attn_temp_offset=1.0)
 MOE_STEP = schema.Key(
@@ -80,6 +101,7 @@ class RopeScaling:
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     orig_ctx: int = 0  # rope.scaling.original_context_length (else the training context)
+    log_mul: float = 0.0  # rope.scaling.yarn_log_multiplier as the loader holds it (deepseek2: / 0.1f)
 
 
 @dataclass(frozen=True)
@@ -118,11 +140,24 @@ class ModelConfig:
     n_experts_used: int = 0  # expert_used_count: experts each token is routed to (top-k)
     expert_hidden_dim: int = 0  # expert_feed_forward_length: each expert's inner width
     shared_hidden_dim: int = 0  # expert_shared_feed_forward_length: the shared expert's; 0 = none
+    leading_dense: int = 0  # leading_dense_block_count: the first layers' feed-forward is dense (deepseek2)
+    # the architecture's MoE record completed by the metadata: deepseek2's gating, weight norm and scale, any
+    # architecture's expert groups (`routing`)
+    moe_routing: MoE | None = None
+    # deepseek2 (`arch.mixer == "mla"`): the latent attention's ranks and head sizes (`ggufpy.mla`)
+    mla: MLAConfig | None = None
+    value_dim: int | None = None  # the V cache's head width where it is not head_dim (0: keys only, MLA)
     # hybrid recurrent models (`arch.mixer == "hybrid"`): which layers are DeltaNet layers, their hparams
     deltanet: DeltaNetConfig | None = None
+    # gemma4 (`arch.mixer == "gemma4"`): per-layer head sizes, widths, local layers, shared KV (`ggufpy.gemma4`)
+    gemma4: Gemma4Config | None = None
+    rope_theta_swa: float | None = None  # rope.freq_base_swa, where the architecture reads it (gemma4)
 
     def is_local(self, layer: int) -> bool:
-        """Whether `layer` uses sliding-window attention (llama.cpp `set_swa_pattern`: il % n < n - 1)."""
+        """Whether `layer` uses sliding-window attention (llama.cpp `set_swa_pattern`: il % n < n - 1, or
+        gemma4's attention.sliding_window_pattern)."""
+        if self.gemma4 is not None:
+            return self.gemma4.local[layer]
         n = self.arch.swa_pattern
         return self.sliding_window is not None and n > 0 and layer % n < n - 1
 
@@ -132,8 +167,16 @@ class ModelConfig:
     def rope(self, layer: int) -> tuple[float, float]:
         """(theta, freq_scale) of `layer`: local layers of gemma3 use their own base and no scaling."""
         if self.is_local(layer) and self.arch.rope_theta_swa is not None:
-            return self.arch.rope_theta_swa, 1.0
+            return self.rope_theta_swa or self.arch.rope_theta_swa, 1.0
         return self.rope_theta, self.rope_freq_scale
+
+    def rope_dims(self, layer: int) -> int:
+        """How many dims of each head `layer` rotates (gemma4: rope.dimension_count_swa on its local layers)."""
+        return self.gemma4.rope_dim[layer] if self.gemma4 is not None else self.rope_dim
+
+    def rope_freqs_on(self, layer: int) -> bool:
+        """Whether `layer` divides its frequencies by `rope_freqs` (gemma4: on its global layers only)."""
+        return self.gemma4 is None or not self.gemma4.local[layer]
 
     def rope_ext(self, layer: int) -> RopeExt | None:
         """YaRN's ext_factor, the attention factor and the correction dims of `layer` (ggml_rope_ext's
@@ -151,9 +194,9 @@ class ModelConfig:
         return self.chunk_size if self.chunk_size and n > 0 and layer % n < n - 1 else None
 
     def is_moe_layer(self, layer: int) -> bool:
-        """Whether `layer`'s feed-forward is the mixture of experts: every layer of an MoE architecture, or
-        llama4's (il + 1) % interleave_moe_layer_step == 0."""
-        if not self.n_experts:
+        """Whether `layer`'s feed-forward is the mixture of experts: every layer of an MoE architecture past the
+        leading dense ones (deepseek2), or llama4's (il + 1) % interleave_moe_layer_step == 0."""
+        if not self.n_experts or layer < self.leading_dense:
             return False
         step = self.moe_layer_step
         return not self.arch.moe_interleave or (step > 0 and (layer + 1) % step == 0)
@@ -188,6 +231,11 @@ class ModelConfig:
         return (np.log(bucket.astype(np.float64) + 1.0) * np.float32(self.attn_temp_scale) + 1.0).astype(np.float32)
 
     @property
+    def routing(self) -> MoE | None:
+        """How the experts are routed: `moe_routing`, else the architecture's record."""
+        return self.moe_routing or self.arch.moe
+
+    @property
     def q_dim(self) -> int:
         return self.n_heads * self.head_dim
 
@@ -204,6 +252,11 @@ def config_from_metadata(md: Mapping[str, Any], vocab_size: int, source: str | N
     """
     spec = arch_spec(schema.read(md, schema.ARCHITECTURE, source=source))
     a = spec.name
+    full_md = md
+    if spec.mixer == "gemma4":  # per-layer arrays: layer 0's value here, all of them in `gemma4_config`
+        from .gemma4 import scalar_metadata
+
+        md = scalar_metadata(md, a)
     v = schema.read_all(md, schema.MODEL_KEYS, arch=a, source=source)
 
     def key(field: str) -> str:
@@ -238,7 +291,9 @@ def config_from_metadata(md: Mapping[str, Any], vocab_size: int, source: str | N
         )
     experts = moe_fields(md, spec, v, source) if spec.moe else {}
     if spec.chunked:
-        temperature = {"chunk_size": CHUNK_SIZE, **LLAMA4_TEMPERATURE}
+        temperature = {"chunk_size": None if v["sliding_window"] == 0 else CHUNK_SIZE, **LLAMA4_TEMPERATURE}
+    elif (spec.swa_pattern or spec.mixer == "gemma4") and v["sliding_window"] == 0:  # a window of no position
+        raise schema.fail(f"{a}.attention.sliding_window", 0, f"must be {schema.SIZE.text}", source)
     if spec.moe_interleave:
         experts["moe_layer_step"] = schema.read(md, MOE_STEP, arch=a, source=source)
     if spec.qk_l2_norm:
@@ -246,6 +301,14 @@ def config_from_metadata(md: Mapping[str, Any], vocab_size: int, source: str | N
     hybrid = {}
     if spec.mixer == "hybrid":
         hybrid["deltanet"] = deltanet_config(md, a, v["n_layers"], v["norm_eps"], source)
+    if spec.mixer == "mla":  # deepseek2: the latent attention's shapes; its cache holds keys only, or wider values
+        hybrid["mla"] = mla_config(md, a, n_heads, n_kv_heads, head_dim, rope_dim, scaling, source)
+        hybrid["value_dim"] = 0 if hybrid["mla"].absorbed else hybrid["mla"].value_dim
+    if spec.mixer == "gemma4":
+        from .gemma4 import gemma4_config
+
+        hybrid["gemma4"] = gemma4_config(full_md, a, {**v, "head_dim": head_dim, "rope_dim": rope_dim}, source)
+        hybrid["rope_theta_swa"] = hybrid["gemma4"].rope_theta_swa
     return ModelConfig(
         arch=spec,
         dim=v["dim"],
@@ -260,9 +323,9 @@ def config_from_metadata(md: Mapping[str, Any], vocab_size: int, source: str | N
         rope_theta=v["rope_theta"],
         rope_dim=rope_dim,
         rope_freq_scale=scaling.freq_scale,
-        sliding_window=v["sliding_window"] if spec.swa_pattern else None,
+        sliding_window=v["sliding_window"] if spec.swa_pattern or spec.mixer == "gemma4" else None,
         attn_softcap=v["attn_softcap"] if spec.softcaps else None,
-        final_softcap=v["final_softcap"] if spec.softcaps else None,
+        final_softcap=v["final_softcap"] if spec.softcaps or spec.mixer == "gemma4" else None,
         rope_scaling=scaling,
         **multipliers,
         **temperature,
@@ -271,12 +334,29 @@ def config_from_metadata(md: Mapping[str, Any], vocab_size: int, source: str | N
     )
 
 
-def moe_fields(md: Mapping[str, Any], spec: ArchSpec, v: dict[str, Any], source: str | None) -> dict[str, int]:
+def moe_fields(md: Mapping[str, Any], spec: ArchSpec, v: dict[str, Any], source: str | None) -> dict[str, Any]:
     """The expert hparams, checked against each other (llama-model.cpp `load_hparams` asserts the same)."""
-    e = schema.read_all(md, MOE_KEYS, arch=spec.name, source=source)
-    used = MOE_KEYS["n_experts_used"].name.replace("{arch}", spec.name)
+    a = spec.name
+    e = schema.read_all(md, MOE_KEYS, arch=a, source=source)
+    used = MOE_KEYS["n_experts_used"].name.replace("{arch}", a)
     if e["n_experts_used"] > e["n_experts"]:
         raise schema.fail(used, e["n_experts_used"], f"must be <= expert_count = {e['n_experts']}", source)
+    g = schema.read_all(md, GROUP_KEYS, arch=a, source=source)
+    groups, groups_used = GROUP_KEYS["groups"].name.replace("{arch}", a), f"{a}.expert_group_used_count"
+    if g["groups"] >= e["n_experts"] or (g["groups"] > 1 and e["n_experts"] % g["groups"]):
+        raise schema.fail(groups, g["groups"], f"must divide expert_count = {e['n_experts']} and be smaller", source)
+    if g["groups"] > 1 and not 0 < g["groups_used"] < g["groups"]:
+        raise schema.fail(groups_used, g["groups_used"], f"must be in [1, expert_group_count = {g['groups']})", source)
+    routing = {"groups": g["groups"], "groups_used": g["groups_used"]} if g["groups"] > 1 else {}
+    if spec.moe.routing_keys:  # deepseek2: the gating, weight norm and scale, shared experts, leading dense layers
+        r = schema.read_all(md, ROUTING_KEYS, arch=a, source=source)
+        if r["leading_dense"] > v["n_layers"]:
+            lead = ROUTING_KEYS["leading_dense"].name.replace("{arch}", a)
+            raise schema.fail(lead, r["leading_dense"], f"must be <= block_count = {v['n_layers']}", source)
+        e["leading_dense"], e["n_shared"] = r["leading_dense"], r["n_shared"]
+        routing.update(gating=GATING_FUNCS[r["gating"]], norm_weights=r["norm_weights"])
+        routing.update(weights_scale=r["weights_scale"])
+    e["moe_routing"] = replace(spec.moe, **routing)
     if not spec.moe.expert_width_key:
         e["expert_hidden_dim"] = v["hidden_dim"]
     e["expert_hidden_dim"] = e["expert_hidden_dim"] or v["hidden_dim"] // e["n_experts_used"]
@@ -284,6 +364,8 @@ def moe_fields(md: Mapping[str, Any], spec: ArchSpec, v: dict[str, Any], source:
         e["shared_hidden_dim"] = e["shared_hidden_dim"] or v["hidden_dim"]
     elif spec.moe.shared_expert == "expert_width":
         e["shared_hidden_dim"] = e["expert_hidden_dim"]
+    elif spec.moe.shared_expert == "expert_count":
+        e["shared_hidden_dim"] = e.pop("n_shared") * e["expert_hidden_dim"]
     elif spec.moe.shared_expert == "none":
         e["shared_hidden_dim"] = 0
     return e
@@ -302,6 +384,9 @@ def rope_scaling(md: Mapping[str, Any], spec: ArchSpec, v: dict[str, Any], sourc
     factor = v["rope_scaling_factor"] or v["rope_scale_linear"]
     freq_scale = f32(1) / f32(factor) if factor and kind != "none" else f32(1)
     ext = e["ext_factor"] if e["ext_factor"] >= 0 else (1.0 if kind == "yarn" else 0.0)
+    log_mul = e["log_mul"]
+    if a == "deepseek2":  # [TAG_DEEPSEEK2_YARN_LOG_MUL_FIX]: its loader cancels the converter's factor 0.1
+        log_mul = float(f32(log_mul) / f32(0.1))
     attn = f32(e["yarn_attn_factor"])
     if ext != 0:
         factor = f32(1) / freq_scale
@@ -309,13 +394,13 @@ def rope_scaling(md: Mapping[str, Any], spec: ArchSpec, v: dict[str, Any], sourc
         def mscale(m: float):  # get_mscale: scale <= 1 ? 1 : 0.1f * mscale * logf(scale) + 1.0f
             return f32(1) if factor <= 1 else f32(0.1) * f32(m) * logf(factor) + f32(1)
 
-        if e["log_mul"]:
-            m = e["log_mul"] if a == "deepseek2" and e["log_mul"] != 1 else 1.0  # [TAG_DEEPSEEK2_YARN_LOG_MUL_FIX]
-            attn = mscale(m) / mscale(e["log_mul"])
+        if log_mul:
+            m = log_mul if a == "deepseek2" and log_mul != 1 else 1.0  # [TAG_DEEPSEEK2_YARN_LOG_MUL_FIX]
+            attn = mscale(m) / mscale(log_mul)
         else:
             attn = mscale(1.0)
         attn = attn * (f32(1) / (f32(1) + f32(0.1) * logf(factor)))
     attn = attn * f32(e["rope_attn_factor"])
     return RopeScaling(
-        kind, float(freq_scale), float(ext), float(attn), e["beta_fast"], e["beta_slow"], e["orig_ctx"] or 0
+        kind, float(freq_scale), float(ext), float(attn), e["beta_fast"], e["beta_slow"], e["orig_ctx"] or 0, log_mul
     )

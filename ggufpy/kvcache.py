@@ -21,16 +21,20 @@ class ContextLengthError(ValueError):
 class KVCache:
     """Keys and values for positions 0..length-1 of every layer in `layers`.
 
-    k[layer], v[layer]: (capacity, n_kv_heads, head_dim) float32 (float16 in llama.cpp numerics).
+    k[layer]: (capacity, n_kv_heads, head_dim) float32 (float16 in llama.cpp numerics); v[layer] the same, or
+    `v_dim` wide where values and keys differ in width (deepseek2's attn_kv_b heads), 0 for a cache of keys only
+    (MLA: llama.cpp's K-only cache, whose values are the first kv_lora_rank dims of each key row).
     """
 
-    def __init__(self, layers: range, capacity: int, n_kv_heads: int, head_dim: int, dtype=np.float32):
+    def __init__(
+        self, layers: range, capacity: int, n_kv_heads: int, head_dim: int, dtype=np.float32, v_dim: int | None = None
+    ):
         self.layers = layers
         self.capacity = capacity
         self.dtype = np.dtype(dtype)
         shape = (capacity, n_kv_heads, head_dim)
         self.k = {i: np.zeros(shape, self.dtype) for i in layers}
-        self.v = {i: np.zeros(shape, self.dtype) for i in layers}
+        self.v = {i: np.zeros((*shape[:2], head_dim if v_dim is None else v_dim), self.dtype) for i in layers}
         self.length = 0  # positions filled (the same for every layer once a forward call returns)
 
     def check(self, pos: int, n_new: int) -> None:
@@ -67,7 +71,8 @@ class KVCache:
         if capacity < self.length:
             raise ContextLengthError(f"capacity {capacity} cannot hold the {self.length} positions of this cache")
         n_kv_heads, head_dim = next(iter(self.k.values())).shape[1:] if self.k else (0, 0)
-        grown = KVCache(self.layers, capacity, n_kv_heads, head_dim, self.dtype)
+        v_dim = next(iter(self.v.values())).shape[2] if self.v else None
+        grown = KVCache(self.layers, capacity, n_kv_heads, head_dim, self.dtype, v_dim)
         for i in self.layers:
             grown.k[i][: self.length] = self.k[i][: self.length]
             grown.v[i][: self.length] = self.v[i][: self.length]
@@ -76,7 +81,7 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.k.values()) * 2
+        return sum(a.nbytes for a in self.k.values()) + sum(a.nbytes for a in self.v.values())
 
     def __repr__(self) -> str:
         return f"KVCache(layers={self.layers}, length={self.length}, capacity={self.capacity})"

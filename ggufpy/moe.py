@@ -2,13 +2,18 @@
 
     logits  = x @ ffn_gate_inp.T                       (T, X)  the router, X = n_experts
     probs   = softmax(logits)                          (T, X)  (gpt-oss: the logits themselves; llama4: sigmoid,
-                                                               chosen on the logits, weighting each expert's input)
-    chosen  = top-k of probs                           (T, K)  K = n_experts_used, in llama.cpp's order
-    weights = probs[chosen]                            (T, K)  / their sum (norm_w)  (gpt-oss: softmax over K)
+                                                               chosen on the logits, weighting each expert's input;
+                                                               deepseek2: the sigmoid of every logit)
+    scores  = probs + exp_probs_b                      (T, X)  deepseek2's selection bias, for the choice only;
+                                                               -inf outside the best expert groups (DeepSeek-V3)
+    chosen  = top-k of scores                          (T, K)  K = n_experts_used, in llama.cpp's order
+    weights = probs[chosen]                            (T, K)  / their sum (norm_w)  (gpt-oss: softmax over K),
+                                                               times expert_weights_scale (deepseek2)
     y_k     = down_e(act(gate_e(x)) * up_e(x))         (T, K, D) only the chosen experts e = chosen[t, k]
                                                                (gpt-oss: expert biases, the clamped swiglu_oai)
     out     = sum_k weights_k * y_k                    (T, D)  added slot after slot, in f32
-            + shared expert                            (qwen2moe, qwen35moe: times sigmoid(x . ffn_gate_inp_shexp))
+            + shared expert                            (qwen2moe, qwen35moe: times sigmoid(x . ffn_gate_inp_shexp);
+                                                               deepseek2: expert_shared_count experts' width)
 
 Which of these steps an architecture takes is its `arch.MoE` record; the router's softmax, top-k order and the
 C library's expf follow ggml-cpu's arithmetic in the llamacpp numerics (bit for bit on the conformance goldens).
@@ -209,23 +214,43 @@ def route(
     k: int,
     softmax: Callable[[np.ndarray], np.ndarray],
     expf: Callable[[np.ndarray], np.ndarray] | None = None,
+    probs_bias: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(chosen experts (T, K) int32, their weights (T, K) f32) from the router logits (T, X); `expf` the sigmoid's
-    exp (default: exact)."""
-    if moe.gating == "sigmoid":  # llama4: top-k of the logits, weights ggml_sigmoid of them (elementwise)
-        chosen = top_k(logits, k)
-        picked = logits[np.arange(len(logits))[:, None], chosen]  # (T, K)
-        weights = SHARED_GATES["sigmoid"](picked, None, expf or _expf_exact)
-    elif moe.gating == "softmax":
-        probs = softmax(logits)  # (T, X)
-        chosen = top_k(probs, k)
-        weights = probs[np.arange(len(probs))[:, None], chosen]  # (T, K)
-    else:  # "softmax_weight": choose on the logits, then a softmax over the chosen ones
-        chosen = top_k(logits, k)
-        weights = softmax(logits[np.arange(len(logits))[:, None], chosen])
+    """(chosen experts (T, K) int32, their weights (T, K) f32) from the router logits (T, X), in build_moe_ffn's
+    steps: the probabilities, the scores they are chosen on (plus `probs_bias`, deepseek2's exp_probs_b (X,); only
+    the best expert groups' experts), top-k, the weights from the unbiased probabilities, normed, scaled. `expf`
+    is the sigmoid's exp (default: exact)."""
+    sigmoid = functools.partial(SHARED_GATES["sigmoid"], act=None, expf=expf or _expf_exact)
+    rows = np.arange(len(logits))[:, None]
+    probs = {"softmax": softmax, "sigmoid_probs": sigmoid}.get(moe.gating, lambda z: z)(logits)  # (T, X)
+    scores = probs if probs_bias is None else probs + probs_bias  # ggml_add: the choice only
+    if moe.groups > 1:
+        scores = best_groups(scores, moe.groups, moe.groups_used)
+    chosen = top_k(scores, k)
+    weights = probs[rows, chosen]  # (T, K)
+    if moe.gating == "sigmoid":  # llama4: chosen on the logits, weighted by their sigmoid (elementwise)
+        weights = sigmoid(weights)
+    elif moe.gating == "softmax_weight":  # gpt-oss: a softmax over the chosen logits
+        weights = softmax(weights)
     if moe.norm_weights:
         weights = weights / np.maximum(row_sum(weights), WEIGHTS_SUM_MIN)  # ggml_clamp(sum, 6.1e-5, inf), ggml_div
+    if moe.weights_scale not in (0, 1):  # ggml_scale (deepseek2's expert_weights_scale)
+        weights = weights * _f32(moe.weights_scale)
     return chosen, weights
+
+
+def best_groups(scores: np.ndarray, groups: int, used: int) -> np.ndarray:
+    """scores (T, X) with -inf outside each row's `used` best groups of X / groups consecutive experts, a group
+    scored by the sum of its two best (build_moe_ffn: ggml_argsort_top_k(., 2) per group, ggml_sum_rows of those
+    two in that order, ggml_argsort_top_k(., used) of the sums, then ggml_fill(-inf) and ggml_set_rows)."""
+    T, X = scores.shape
+    per_group = scores.reshape(T * groups, X // groups)  # (T*G, X/G)
+    best2 = per_group[np.arange(T * groups)[:, None], top_k(per_group, 2)]  # (T*G, 2), the largest first
+    kept = top_k(row_sum(best2).reshape(T, groups), used)  # (T, used) group indices
+    masked = np.full((T, groups, X // groups), _f32(-np.inf), _f32)
+    rows = np.arange(T)[:, None]
+    masked[rows, kept] = scores.reshape(T, groups, -1)[rows, kept]
+    return masked.reshape(T, X)
 
 
 def expert_products(
@@ -318,7 +343,8 @@ def feed_forward(
     logits = backend.linear(x, w.ffn_gate_inp)  # (T, X)
     if w.ffn_gate_inp_bias is not None:
         logits = logits + w.ffn_gate_inp_bias
-    chosen, weights = route(logits, moe, k, softmax, expf)  # (T, K) each
+    bias = w.ffn_exp_probs_b if moe.probs_bias else None  # deepseek2's exp_probs_b (or None: not in the file)
+    chosen, weights = route(logits, moe, k, softmax, expf, bias)  # (T, K) each
     inputs = x  # llama4: ggml_mul(ggml_repeat_4d(x), weights), each expert on its weighted copy (T, K, D)
     if moe.weights_on_input:
         inputs = x[:, None, :] * weights[..., None]

@@ -129,7 +129,9 @@ MODEL_KEYS: dict[str, Key] = {
     "rope_scaling": Key("{arch}.rope.scaling.type", "string", default="none"),
     "rope_scaling_factor": Key("{arch}.rope.scaling.factor", "number", SCALE_FACTOR, default=0.0),
     "rope_scale_linear": Key("{arch}.rope.scale_linear", "number", SCALE_FACTOR, default=0.0),
-    "sliding_window": Key("{arch}.attention.sliding_window", "integer", SIZE),
+    # 0 where an arch has no window (convert_hf_to_gguf writes it for Phi-4) or turns it off (llama4's chunking);
+    # the archs that slide a window need >= 1 (config.py)
+    "sliding_window": Key("{arch}.attention.sliding_window", "integer", Rule("an integer >= 0", lambda v: v >= 0)),
     "attn_softcap": Key("{arch}.attn_logit_softcapping", "number", POSITIVE_F32),
     "final_softcap": Key("{arch}.final_logit_softcapping", "number", POSITIVE_F32),
 }

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from . import hybrid, moe, ops
+from . import gemma4, hybrid, mla, moe, ops
 from .backend import Backend, linears
 from .config import ModelConfig
 from .kvcache import ContextLengthError, KVCache
@@ -58,7 +58,10 @@ class Model:
             raise ContextLengthError(f"capacity {capacity} exceeds the model's context length {cfg.context_length}")
         if cfg.deltanet is not None:  # KV for the attention layers, conv + recurrent states for the DeltaNet ones
             return hybrid.new_state(self, layers or self.layers, capacity)
-        return KVCache(layers or self.layers, capacity, cfg.n_kv_heads, cfg.head_dim, self.numerics.kv_dtype)
+        if cfg.gemma4 is not None:  # per-layer K/V shapes, none for the shared-KV layers
+            return gemma4.Gemma4Cache(cfg, layers or self.layers, capacity, self.numerics.kv_dtype)
+        dtype = self.numerics.kv_dtype  # (value_dim: deepseek2's keys-only latent cache, or its wider keys)
+        return KVCache(layers or self.layers, capacity, cfg.n_kv_heads, cfg.head_dim, dtype, cfg.value_dim)
 
     def forward(
         self,
@@ -86,7 +89,11 @@ class Model:
 
         if layers.start == 0:
             h = self.embed(np.asarray(x))  # (T, D)
+            if cfg.gemma4 is not None:  # the per-layer embeddings' inputs, from the ids and h
+                gemma4.set_per_layer_inputs(self, np.asarray(x), h, [cache])
         else:
+            if cfg.gemma4 is not None:
+                cache.per_layer = None  # not those of these hidden states' tokens
             h = np.asarray(x, dtype=np.float32)
             if h.ndim != 2 or h.shape[1] != cfg.dim:
                 raise ValueError(f"hidden states must have shape (T, {cfg.dim}), got {h.shape}")
@@ -157,6 +164,8 @@ class Model:
             cache.check(pos, 1)
 
         h = self.embed(ids)  # (B, D)
+        if cfg.gemma4 is not None:
+            gemma4.set_per_layer_inputs(self, ids, h, caches)
         angles = {}  # RoPE parameters -> (cos, sin), each (B, R/2): row b at positions[b]
         for i in self.layers:
             # each row's angles computed as a one-token forward pass computes them
@@ -202,13 +211,11 @@ class Model:
         cfg = self.config
         theta, freq_scale = cfg.rope(i)
         ext = cfg.rope_ext(i)
-        key = (theta, freq_scale, ext)
+        dims, freqs = cfg.rope_dims(i), self.weights.rope_freqs if cfg.rope_freqs_on(i) else None
+        key = (theta, freq_scale, ext, dims, freqs is None)
         if key not in cache:
             more = {} if ext is None else {"ext": ext}  # (plain RoPE calls any numerics' rope_angles as before)
-            parts = [
-                self.numerics.rope_angles(p, cfg.rope_dim, theta, freq_scale, self.weights.rope_freqs, **more)
-                for p in positions
-            ]
+            parts = [self.numerics.rope_angles(p, dims, theta, freq_scale, freqs, **more) for p in positions]
             cache[key] = tuple(np.concatenate(part) for part in zip(*parts, strict=True))
         return cache[key]
 
@@ -234,8 +241,10 @@ class Model:
         w = self.weights.layers[i]
         x = self._pre_norm(h, w.attn_norm)
         _record(trace, f"attn_norm-{i}", x)
-        if w.mixer is not None:  # a hybrid model's DeltaNet or gated attention layer
-            mixed = hybrid.mixer(self, x, w, i, seqs, cos, sin, trace)
+        if w.mixer is not None:  # a layer's own mixer (`MIXERS`): DeltaNet, gated attention, MLA
+            mixed = MIXERS[type(w.mixer)](self, x, w, i, seqs, cos, sin, trace)
+        elif self.config.arch.mixer == "gemma4":
+            mixed = gemma4.attention(self, x, w, i, seqs, cos, sin, rows, trace)
         else:
             mixed = self.attention(x, w, i, seqs, cos, sin, rows, trace)
         if self.config.arch.parallel:  # cohere2: both branches read x; (ffn + h) + mixer, llama.cpp's order
@@ -249,8 +258,12 @@ class Model:
         x = self._pre_norm(h, w.ffn_norm)
         _record(trace, f"ffn_norm-{i}", x)
         ffn = self.feed_forward(x, w, rows)
+        if self.config.gemma4 is not None:  # 26B-A4B: routed experts beside the dense MLP, on h
+            ffn = gemma4.add_experts(self, ffn, h, w, rows)
         _record(trace, f"ffn_out-{i}", ffn)
         h = self._residual(h, ffn, w.post_ffw_norm)
+        if self.config.gemma4 is not None:  # the per-layer embedding's branch, the output scale
+            h = gemma4.layer_output(self, h, w, i, seqs, rows)
         _record(trace, f"l_out-{i}", h)
         return h
 
@@ -345,7 +358,7 @@ class Model:
             k, be, nm = cfg.n_experts_used, self.backend, self.numerics
 
             def experts(xs: np.ndarray) -> np.ndarray:
-                return moe.feed_forward(xs, w, cfg.arch.moe, k, be, nm, act)
+                return moe.feed_forward(xs, w, cfg.routing, k, be, nm, act)
 
             return _per_row(experts, x) if rows else experts(x)
         if w.ffn_gate is None:  # ffn_up (2F, D): gate rows first (ggml_swiglu's first half)
@@ -353,7 +366,10 @@ class Model:
             gate, up = np.split(gate_up, 2, axis=1)  # (N, F) each
         else:
             gate, up = self._products(x, (w.ffn_gate, w.ffn_up), rows)  # (N, F) each
-        (out,) = self._products((_per_row(act, gate) if rows else act(gate)) * up, (w.ffn_down,), rows)
+        # per row unless the backend computes `act` alike in its SIMD body and scalar tail (`row_invariant`)
+        invariant = act in getattr(self.backend, "row_invariant", ())
+        gated = _per_row(act, gate) if rows and not invariant else act(gate)
+        (out,) = self._products(gated * up, (w.ffn_down,), rows)
         return out  # (N, D)
 
     def _products(self, x: np.ndarray, ws: tuple[QuantTensor, ...], rows: bool) -> list[np.ndarray]:
@@ -400,6 +416,11 @@ def _per_row(f, x: np.ndarray) -> np.ndarray:
     """f applied to each row of x (B, ...) on its own: for steps whose vectorized form might round a row
     differently with other rows beside it (exp, tanh in SIMD and scalar tails)."""
     return np.concatenate([f(x[b : b + 1]) for b in range(x.shape[0])])
+
+
+# `LayerWeights.mixer`'s type -> the mixer, with `hybrid.mixer`'s arguments: the hybrid models' (DeltaNet, gated
+# attention), deepseek2's multi-head latent attention
+MIXERS = {**dict.fromkeys(hybrid.MIXERS, hybrid.mixer), mla.MLAWeights: mla.mixer}
 
 
 def _record(trace: dict[str, Any] | None, name: str, value: np.ndarray) -> None:

@@ -100,6 +100,7 @@ class LayerWeights:
     # mixture of experts (`arch.moe`; `ggufpy.moe`): X = n_experts, Fe = expert_hidden_dim, Fs = shared_hidden_dim
     ffn_gate_inp: QuantTensor | None = None  # (X, D) the router
     ffn_gate_inp_bias: np.ndarray | None = None  # (X,) gpt-oss
+    ffn_exp_probs_b: np.ndarray | None = None  # (X,) deepseek2: added to the probabilities for the choice only
     ffn_gate_exps: ExpertTensor | None = None  # (X, Fe, D)
     ffn_up_exps: ExpertTensor | None = None  # (X, Fe, D)
     ffn_down_exps: ExpertTensor | None = None  # (X, D, Fe)
@@ -127,11 +128,13 @@ def tensor(f: GGUFFile, name: str, shape: tuple[int, ...]) -> QuantTensor:
     if name not in f.tensors:
         raise GGUFMetadataError(f"{f.path}: tensor {name!r} is required but missing")
     info = f.tensors[name]
-    if info.shape != shape:
+    # llama.cpp `check_tensor_dims` compares all four ne, missing dims counting as 1: (1, D) passes for (D,)
+    # (convert_hf_to_gguf stores qwen2moe's ffn_gate_inp_shexp as (1, D))
+    if (1,) * (4 - len(info.shape)) + tuple(info.shape) != (1,) * (4 - len(shape)) + tuple(shape):
         raise GGUFMetadataError(f"{f.path}: tensor {name!r} has shape {info.shape}, expected {shape} from the metadata")
     if info.type not in QUANT_TYPES:
         raise _unsupported(f, name, info.type, "ggufpy cannot decode", QUANT_TYPES)
-    return QuantTensor(name, info.type, info.shape, f.raw(name))
+    return QuantTensor(name, info.type, shape, f.raw(name))
 
 
 def _unsupported(f: GGUFFile, name: str, t: GGMLType | int, why: str, types) -> GGUFUnsupportedError:
@@ -181,12 +184,21 @@ def load_weights(f: GGUFFile, cfg: ModelConfig, layers: range) -> Weights:
     """Map the tensors of `layers` (plus embeddings and head) without reading their data."""
     D, Q, K, F, V = cfg.dim, cfg.q_dim, cfg.kv_dim, cfg.hidden_dim, cfg.vocab_size
     arch = cfg.arch
+    if arch.mixer == "gemma4":  # every layer with its own shapes, plus the per-layer embeddings (`ggufpy.gemma4`)
+        from .gemma4 import load_weights as load_gemma4
+
+        return load_gemma4(f, cfg, layers)
     blocks = {}
     for i in layers:
         if arch.mixer == "hybrid":  # qwen35: each layer's mixer tensors by its kind (`ggufpy.hybrid`)
             from .hybrid import load_layer
 
             blocks[i] = load_layer(f, cfg, i)
+            continue
+        if arch.mixer == "mla":  # deepseek2: the latent attention's tensors (`ggufpy.mla`)
+            from .mla import load_layer as load_mla_layer
+
+            blocks[i] = load_mla_layer(f, cfg, i)
             continue
         p = f"blk.{i}."
         extra = {}

@@ -52,7 +52,7 @@ def test_fixtures_are_committed_with_their_sha256_and_fit_the_budget():
     assert set(manifest) == set(fx.FIXTURES)
     for name, meta in manifest.items():
         assert fx.sha256(fx.fixture_path(name)) == meta["sha256"], name
-    assert sum(fx.fixture_path(n).stat().st_size for n in manifest) < 10_000_000  # 5 MB before issues 12-13
+    assert sum(fx.fixture_path(n).stat().st_size for n in manifest) < 11_000_000  # 5 MB before issues 12-13
 
 
 def test_goldens_are_tied_to_the_fixtures_and_fit_the_budget():
