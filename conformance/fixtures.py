@@ -216,10 +216,12 @@ def write_tiny_llama(path: str | Path, spec: TinyLlama = TinyLlama()) -> Path:
 def _quantize(data: np.ndarray, qtype: GGMLType) -> np.ndarray:
     """ggufpy's quantizers (what `ggml_quantize_chunk` writes, which for IQ4_NL/IQ4_XS is not their `_ref`
     function), or ggml's C quantizer for the types ggufpy cannot quantize."""
+    from ggufpy.quants.iqgrid_quantizers import REQUIRES_IMATRIX
     from ggufpy.quants.rowquantizers import ROW_QUANTIZERS, quantize_rows
 
-    if qtype in ROW_QUANTIZERS:
-        return quantize_rows(data, qtype)
+    if qtype in ROW_QUANTIZERS:  # an importance matrix of ones where ggml requires one, as `llamacpp.ggml_quantize`
+        imatrix = np.ones(data.shape[-1], np.float32) if qtype in REQUIRES_IMATRIX else None
+        return quantize_rows(data, qtype, imatrix=imatrix)
     if quant_type(qtype).quantize_blocks is not None:
         return quantize(data, qtype)
     from .llamacpp import available, ggml_quantize

@@ -15,6 +15,8 @@ import numpy as np
 from ..constants import GGML_BLOCK_LAYOUT, GGMLType
 from ..errors import GGUFError, GGUFUnsupportedError
 from . import floats, iqgrid, iquants, kquants, legacy, lowbit
+from . import iq1_quantizers as iq1
+from . import iqgrid_quantizers as iqg
 from . import iquantizers as iq
 from . import kquantizers as kq
 from . import quantizers as ref
@@ -69,11 +71,11 @@ _TABLE: tuple[tuple[GGMLType, BlockFn, BlockFn | None], ...] = (
     (GGMLType.IQ4_XS, iquants.dequantize_iq4_xs, iq.quantize_row_iq4_xs_ref),
     (GGMLType.IQ2_XXS, iqgrid.dequantize_iq2_xxs, None),
     (GGMLType.IQ2_XS, iqgrid.dequantize_iq2_xs, None),
-    (GGMLType.IQ2_S, iqgrid.dequantize_iq2_s, None),
-    (GGMLType.IQ3_XXS, iqgrid.dequantize_iq3_xxs, None),
-    (GGMLType.IQ3_S, iqgrid.dequantize_iq3_s, None),
+    (GGMLType.IQ2_S, iqgrid.dequantize_iq2_s, iqg.quantize_row_iq2_s_ref),
+    (GGMLType.IQ3_XXS, iqgrid.dequantize_iq3_xxs, iqg.quantize_row_iq3_xxs_ref),
+    (GGMLType.IQ3_S, iqgrid.dequantize_iq3_s, iqg.quantize_row_iq3_s_ref),
     (GGMLType.IQ1_S, iqgrid.dequantize_iq1_s, None),
-    (GGMLType.IQ1_M, iqgrid.dequantize_iq1_m, None),
+    (GGMLType.IQ1_M, iqgrid.dequantize_iq1_m, iq1.quantize_iq1_m),  # no _ref in ggml: its chunk path, no imatrix
     (GGMLType.TQ1_0, lowbit.dequantize_tq1_0, ref.quantize_tq1_0),
     (GGMLType.TQ2_0, lowbit.dequantize_tq2_0, ref.quantize_tq2_0),
     (GGMLType.MXFP4, lowbit.dequantize_mxfp4, ref.quantize_mxfp4),

@@ -7,7 +7,9 @@ This is what llama-quantize calls for every tensor (llama.cpp `ggml/src/ggml.c` 
 an importance matrix most types run their `quantize_row_*_ref` (the block quantizers of the registry); IQ4_NL and
 IQ4_XS run their searches with ntry = 7. With one, Q4_0/Q4_1/Q5_0/Q5_1, the k-quants and IQ4 run their
 `quantize_row_*_impl` weighted by it (per input column, shared by all rows); Q8_0, the float types, TQ1_0/TQ2_0,
-MXFP4, NVFP4 and Q1_0 ignore it. Rows are processed `CHUNK_ELEMENTS` at a time to bound memory.
+MXFP4, NVFP4 and Q1_0 ignore it. The IQ1/IQ2/IQ3 grid types run their searches (`iqgrid_quantizers`,
+`iq1_quantizers`); IQ2_XXS, IQ2_XS and IQ1_S need an importance matrix, as in ggml. Rows are processed
+`CHUNK_ELEMENTS` at a time to bound memory.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from ..constants import GGMLType
 from ..errors import GGUFError, GGUFUnsupportedError
 from . import iquantizers, kquantizers
 from .fields import as_bytes
+from .iqgrid_quantizers import IQGRID_ROW_QUANTIZERS
 from .kquantizer_search import make_qkx3_quants, make_qx_quants, seqsum
 from .kquantizers import fp16
 from .registry import QUANT_TYPES
@@ -120,6 +123,7 @@ ROW_QUANTIZERS |= {
     for name in _IGNORING
     if name in GGMLType.__members__ and GGMLType[name] in QUANT_TYPES
 }
+ROW_QUANTIZERS |= IQGRID_ROW_QUANTIZERS
 
 
 def _check(x: np.ndarray, t: GGMLType, imatrix: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
