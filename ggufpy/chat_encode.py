@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .chat_bounds import ChatTemplateError
@@ -32,9 +32,11 @@ def encode_chat(
     template writes it.
 
     The template's own text is tokenized with special tokens parsed; message text (``content``, text parts,
-    reasoning) without, so a user who types ``<|im_end|>`` gets the characters, never the control token that
-    would close their turn and forge another (prompt injection). ``special_in_content=True`` parses specials
-    everywhere, as HF's ``apply_chat_template`` + tokenizer and llama.cpp's server do.
+    reasoning, tool calls' names and arguments, tool results) without, and without the user-defined tokens
+    spelled like tags (`Tokenizer.control_like`: gpt-oss's ``<|end|>``, which llama.cpp matches anyway), so a
+    user who types ``<|im_end|>`` gets the characters, never the control token that would close their turn and
+    forge another (prompt injection). ``special_in_content=True`` parses specials everywhere, as HF's
+    ``apply_chat_template`` + tokenizer and llama.cpp's server do.
 
     The content is found by rendering a second time with a random marker around each message text and checking
     that removing the markers gives the same prompt. When it does not (a template that slices or tests the
@@ -70,27 +72,65 @@ def encode_chat(
                 fragments.append(part)
     ids = [tokenizer.bos_id] if add_bos and tokenizer.add_bos and tokenizer.bos_id is not None else []
     for f in fragments:
-        ids.extend([f] if isinstance(f, int) else tokenizer.encode(f, add_special=False, parse_special=False))
+        ids.extend([f] if isinstance(f, int) else tokenizer.encode(f, add_special=False, content=True))
     if add_bos and tokenizer.add_eos and tokenizer.eos_id is not None:
         ids.append(tokenizer.eos_id)
     return ids
 
 
 def _special_ids(tokenizer, text: str) -> set[int]:
-    """Control tokens ``text`` would produce if specials were parsed in it."""
-    always = {f for f in tokenizer.partition(text, parse_special=False) if isinstance(f, int)}
-    return {f for f in tokenizer.partition(text, parse_special=True) if isinstance(f, int)} - always
+    """Control tokens (and tag-like user-defined ones) ``text`` would produce if specials were parsed in it."""
+    plain = {f for f in tokenizer.partition(text, content=True) if isinstance(f, int)}
+    return {f for f in tokenizer.partition(text, parse_special=True) if isinstance(f, int)} - plain
+
+
+def _map_texts(value: Any, fn: Callable[[str], str]) -> Any:
+    """``value`` (a tool call's arguments: text, or JSON as objects) with ``fn`` applied to every string in it."""
+    if isinstance(value, str):
+        return fn(value)
+    if isinstance(value, Mapping):
+        return {_map_texts(k, fn): _map_texts(v, fn) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_map_texts(v, fn) for v in value]
+    return value
+
+
+def _call_texts(call: Any, fn: Callable[[str], str]) -> Any:
+    """A tool call with ``fn`` applied to its name and arguments (OpenAI's under ``function``, or flat)."""
+    if not isinstance(call, Mapping):
+        return call
+    call = {k: _map_texts(v, fn) if k in ("name", "arguments") else v for k, v in call.items()}
+    if isinstance(call.get("function"), Mapping):
+        call["function"] = _call_texts(call["function"], fn)
+    return call
+
+
+def _message_with(m: Any, fn: Callable[[str], str]) -> Any:
+    """Message ``m`` with ``fn`` applied to every text a client wrote in it: content and its text parts,
+    reasoning, tool calls' names and arguments, a tool result's name (its content is content)."""
+    if not isinstance(m, Mapping):
+        return m
+    m = dict(m)
+    for key in ("content", *REASONING_FIELDS):
+        value = m.get(key)
+        if isinstance(value, str):
+            m[key] = fn(value)
+        elif key == "content" and isinstance(value, list):
+            m[key] = [
+                {**p, "text": fn(p["text"])} if isinstance(p, Mapping) and isinstance(p.get("text"), str) else p
+                for p in value
+            ]
+    if isinstance(m.get("tool_calls"), list):
+        m["tool_calls"] = [_call_texts(c, fn) for c in m["tool_calls"]]
+    if m.get("role") == "tool" and isinstance(m.get("name"), str):
+        m["name"] = fn(m["name"])
+    return m
 
 
 def _message_texts(messages: Sequence[Message]) -> list[str]:
-    texts = []
+    texts: list[str] = []
     for m in messages:
-        for key in ("content", *REASONING_FIELDS):
-            value = m.get(key) if isinstance(m, Mapping) else None
-            if isinstance(value, str):
-                texts.append(value)
-            elif key == "content" and isinstance(value, list):
-                texts += [p["text"] for p in value if isinstance(p, Mapping) and isinstance(p.get("text"), str)]
+        _message_with(m, lambda t: texts.append(t) or t)
     return texts
 
 
@@ -104,25 +144,7 @@ def _mark(value: str, open_: str, close: str) -> str:
 
 
 def _marked_messages(messages: Sequence[Message], open_: str, close: str) -> list[Any]:
-    out = []
-    for m in messages:
-        if not isinstance(m, Mapping):
-            out.append(m)
-            continue
-        m = dict(m)
-        for key in ("content", *REASONING_FIELDS):
-            value = m.get(key)
-            if isinstance(value, str):
-                m[key] = _mark(value, open_, close)
-            elif key == "content" and isinstance(value, list):
-                m[key] = [
-                    {**p, "text": _mark(p["text"], open_, close)}
-                    if isinstance(p, Mapping) and isinstance(p.get("text"), str)
-                    else p
-                    for p in value
-                ]
-        out.append(m)
-    return out
+    return [_message_with(m, lambda t: _mark(t, open_, close)) for m in messages]
 
 
 def _content_spans(template: ChatTemplate, messages, text: str, add_generation_prompt: bool, kwargs):

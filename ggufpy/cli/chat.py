@@ -11,6 +11,7 @@ import argparse
 import sys
 
 from . import UsageError
+from .channels import reply_view
 from .run import (
     CHAT_TEMP,
     add_model_args,
@@ -84,12 +85,15 @@ def run(args: argparse.Namespace) -> int:
                 cache.truncate(0)
             else:
                 reuse_cache(cache, cache_ids, ids)
-            gen = stream(model, ids, args, sampler, cache)
+            view = reply_view(template)  # gpt-oss: the reply printed by channel
+            gen = stream(model, ids, args, sampler, cache, view)
         except UsageError as e:  # a template error or a full context: this turn is dropped, the chat goes on
             print(f"ggufpy: error: {e} (the message was not added; /reset starts over)", file=sys.stderr)
             continue
         result = gen.result
         cache_ids = gen.cache_ids
+        # the template takes back the answer alone (gpt-oss's refuses harmony tags in content; it drops reasoning)
+        answer = view.close()[0] if view is not None else result.text
         print()
         if result.finish_reason == "length":
             # A cut reply would teach the model to stop mid-sentence and costs context: the turn is dropped.
@@ -99,6 +103,6 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
         else:
-            messages = [*turn, {"role": "assistant", "content": result.text}]
+            messages = [*turn, {"role": "assistant", "content": answer}]
         report(result, load_s, setup_s, model.backend.name)
         setup_s = 0.0  # kernel setup happened once, before the first turn

@@ -291,10 +291,15 @@ def run(args: argparse.Namespace) -> int:
     args.stop = [clean_text(s, "--stop") for s in args.stop]
     model, load_s = load_model(args)
     tok = model.tokenizer
+    view = None  # a harmony reply (gpt-oss) is printed by channel
     if args.chat:
+        from .channels import reply_view
+
         messages = [{"role": "system", "content": system}] if system else []
         messages.append({"role": "user", "content": prompt})
-        ids = chat_prompt_ids(tok, messages, chat_template(model, args), args.special_in_content)
+        template = chat_template(model, args)
+        ids = chat_prompt_ids(tok, messages, template, args.special_in_content)
+        view = reply_view(template)
     else:
         ids = tok.encode(prompt, add_special=True, parse_special=args.special_in_content)
     if not ids:
@@ -302,7 +307,7 @@ def run(args: argparse.Namespace) -> int:
     sampling = sampling_params(args, CHAT_TEMP if args.chat else COMPLETION_TEMP)
     if args.ray:
         try:
-            result = stream_pipeline(model, ids, args, sampling)
+            result = stream_pipeline(model, ids, args, sampling, view)
         finally:
             model.shutdown()
         name = f"ray, {len(model.plan)} stages, {model.backend_name}"
@@ -310,9 +315,11 @@ def run(args: argparse.Namespace) -> int:
     else:
         cache = model.new_cache(capacity=context_size(model, args))
         setup_s = prepare_kernels(model, len(ids))
-        result = stream(model, ids, args, sampling, cache).result
+        result = stream(model, ids, args, sampling, cache, view).result
         name = model.backend.name
-    if not result.text.endswith("\n"):
+    if view is not None:
+        view.close()
+    if view is not None or not result.text.endswith("\n"):
         print()
     report(result, load_s, setup_s, name)
     return 0

@@ -8,8 +8,9 @@
 The grammars are llguidance's (JSON schema, Lark; GBNF through its `gbnf_to_lark`, as llama.cpp's server
 accepts). The mask is a pure function of the request's own tokens, so a constrained row stays batch-invariant.
 llguidance needs the vocabulary as token bytes: built here from the GGUF vocabulary (`Vocab.pieces`), control
-tokens prefixed with 0xFF as llguidance's llama.cpp adapter marks them (`llguidance/llamacpp.py`), so grammar
-text never matches a control token's spelling.
+tokens and the user-defined ones spelled like chat tags (`Tokenizer.control_like`) prefixed with 0xFF, the mark
+of llguidance's llama.cpp adapter (`llguidance/llamacpp.py`, which marks every `<...>` user-defined token: Gemma's
+HTML-tag tokens stay text here), so grammar text never matches a control token's spelling.
 """
 
 from __future__ import annotations
@@ -45,17 +46,23 @@ def token_table(tokenizer):
     """llguidance's `LLTokenizer` for a ggufpy `Tokenizer`: every id's bytes, the end-of-generation ids as EOS."""
     llg = _llguidance()
     vocab = tokenizer.vocab
-    control = int(TokenAttr.CONTROL)
-    pieces = [SPECIAL_PREFIX + p if a & control else p for p, a in zip(vocab.pieces, vocab.attrs.tolist(), strict=True)]
+    # llguidance's special tokens: grammar text never produces them, a grammar names them (`<|end|>` in Lark).
+    # Control and unknown tokens and the tag-like user-defined ones (gpt-oss's <|end|>), marked in their bytes
+    # too; plain user-defined tokens (gemma's "<table>", whitespace runs) are text like any other.
+    unparsed = int(TokenAttr.CONTROL | TokenAttr.UNKNOWN)
+    special = {i for i, a in enumerate(vocab.attrs.tolist()) if a & unparsed} | tokenizer.control_like
+    pieces = [SPECIAL_PREFIX + p if i in special else p for i, p in enumerate(vocab.pieces)]
 
     class _Vocabulary:  # what `llguidance.TokenizerWrapper` reads
         eos_token_id = tokenizer.eos_id
         bos_token_id = tokenizer.bos_id
         tokens = pieces
-        special_token_ids = tuple(vocab.special_tokens)
+        special_token_ids = tuple(sorted(special))
 
         def __call__(self, text: str) -> list[int]:
-            return tokenizer.encode(text, add_special=False, parse_special=False)
+            # content=True: a tag-like user-defined token, which llama.cpp matches in any text, is spelled out
+            # here, so the tokens llguidance forces for grammar text are never special (a forced one is refused)
+            return tokenizer.encode(text, add_special=False, content=True)
 
     eog = sorted(tokenizer.eog_ids) or [tokenizer.eos_id]
     return llg.LLTokenizer(llg.TokenizerWrapper(_Vocabulary()), eos_token=eog)

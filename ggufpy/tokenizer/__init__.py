@@ -2,7 +2,8 @@
 
 - `vocab.py`: the vocabulary, special ids, token attributes and end-of-generation set (llama.cpp's loader)
 - `pretokenizers.py`: the `tokenizer.ggml.pre` table of regex splits
-- `bpe.py`: byte-level BPE (`tokenizer.ggml.model == "gpt2"`)
+- `hashorder.py`: the order llama.cpp's `token_to_id` map yields tokens in (special tokens found by their text)
+- `bpe.py`: byte-level BPE (`tokenizer.ggml.model == "gpt2"`), and SPM-style BPE (gemma4, sarvam-moe)
 - `spm.py`: SentencePiece-style BPE (`tokenizer.ggml.model == "llama"`)
 - `tokenizer.py`: `Tokenizer` (special-token partition, encode, decode)
 """

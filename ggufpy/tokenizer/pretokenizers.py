@@ -13,6 +13,10 @@ one byte standing for its category (`unicode.cpp: unicode_regex_split`), so insi
 - `$` is the end of the piece, not of a line;
 - a few lists start with a pseudo-regex that names a hand-written splitter (`\\p{AFMoE_digits}`).
 
+Most types split GPT-2 byte-level text. The SPM-style BPE types (gemma4, sarvam-moe) instead replace each space
+by "▁", split the text into newline runs and the text between them, and merge raw UTF-8 characters, spelling a
+piece that is not a token as `<0xXX>` byte tokens (`byte_encode = false`, `escape_whitespaces = true`).
+
 `onig_pattern` rewrites a llama.cpp regex into an Oniguruma pattern (the engine of HF `tokenizers`)
 with the same meaning.
 """
@@ -142,6 +146,8 @@ PRE_TYPES: dict[str, tuple[str, ...]] = {
     **{name: (GPT2,) for name in ("gpt2", "mpt", "olmo", "jais", "trillion", "granite-docling")},
     **{name: (QWEN2,) for name in ("stablelm2", "qwen2", "hunyuan", "solar-open", "grok-2")},
     "qwen35": (QWEN35,),
+    "gemma4": (_NEWLINE_RUNS,),
+    "sarvam-moe": (_NEWLINE_RUNS,),
     **{name: (r" ?[^(\s|.,!?…。，、।۔،)]+",) for name in ("poro", "bloom", "gpt3-finnish")},
     "chatglm4": (LLAMA3,),
     "viking": (r" ?[^(\s|.,!?…。，、।۔،)]+", r"\p{N}"),
@@ -193,6 +199,9 @@ class PreTokenizer:
     ignore_merges: bool = False  # a pre-token found whole in the vocabulary skips the merges
     add_bos: bool = False  # default of tokenizer.ggml.add_bos_token for this vocabulary
     no_bos: bool = False  # the default BOS id (11) is dropped (chatglm)
+    force_bos: bool = False  # add_bos even when tokenizer.ggml.add_bos_token says false (gemma4: llama.cpp PR 21500)
+    spm_style: bool = False  # " " -> "▁", raw UTF-8 symbols, <0xXX> byte fallback, ▁ pieces rendered as spaces
+    whole_newline_runs: bool = False  # a newline run that is a token skips the merges (gemma4: llama.cpp PR 21343)
 
     @property
     def regexes(self) -> tuple[str, ...]:
@@ -230,6 +239,8 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     **_pre("starcoder"),
     **_pre("gpt2", _GPT2_NAMES),
     **_pre("jais2", ("jais-2",)),
+    **_pre("gemma4", ("gemma4", "granite-embed-multi-311m"), spm_style=True, whole_newline_runs=True, force_bos=True),
+    **_pre("sarvam-moe", **_KEEP, spm_style=True),
     **_pre("refact"),
     **_pre("command-r", **_KEEP),
     **_pre("qwen2", ("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2"), **_KEEP),
@@ -277,9 +288,6 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
 # Names llama.cpp knows but that need more than regex splits (hand-written splitters, other models).
 UNSUPPORTED_PRE: dict[str, str] = {
     "kimi-k2": "a hand-written splitter without merges (unicode.cpp unicode_regex_split_custom_kimi_k2)",
-    "gemma4": "SPM-style BPE on raw UTF-8 with a newline-run special case",
-    "granite-embed-multi-311m": "SPM-style BPE on raw UTF-8 (the gemma4 pre-tokenizer)",
-    "sarvam-moe": "SPM-style BPE on raw UTF-8",
     "whitespace": "a whitespace splitter without byte-level encoding",
 }
 

@@ -3,14 +3,17 @@
 Encoding has two stages, as in llama.cpp `llama_vocab::impl::tokenize`:
 
 1. `partition`: special tokens are cut out of the text, longest first (`tokenizer_st_partition`).
-   User-defined tokens are always cut out; control and unknown tokens only with `parse_special=True`.
-2. Each remaining text fragment goes through the HF `tokenizers` engine (`bpe.py` or `spm.py`).
+   User-defined tokens are always cut out (those spelled like tags not in message `content`); control and
+   unknown tokens only with `parse_special=True`.
+2. Each remaining text fragment goes through the HF `tokenizers` engine (`bpe.py` or `spm.py`); with gemma4's
+   pre-tokenizer a newline run that is a token is taken whole first (`llm_tokenizer_bpe_session::tokenize`).
 
 Decoding concatenates the llama.cpp pieces of the ids and applies its space clean-up (`detokenize`).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -26,6 +29,11 @@ __all__ = ["Tokenizer"]
 
 _C_SPACE = " \t\n\v\f\r"  # C isspace() in the "C" locale, used by LSTRIP / RSTRIP
 _NOT_PARSED = TokenAttr.CONTROL | TokenAttr.UNKNOWN  # cut out only when parse_special is True
+# A user-defined token spelled like a chat-format tag (harmony's <|start|>, gemma4's <|turn>, deepseek's <｜...｜>):
+# a control token in all but its type, so message content never matches it. Other user-defined tokens (gemma's
+# HTML tags, whitespace runs) are plain text and stay matched everywhere, as in llama.cpp.
+_TAG_LIKE = re.compile(r"<[|｜].*|.*[|｜]>", re.DOTALL)
+_NEWLINE_RUNS = re.compile(r"[^\n]+|\n+")  # the gemma4 pre-tokenizer's split (unicode.cpp, custom newlines)
 
 
 class Tokenizer:
@@ -46,6 +54,17 @@ class Tokenizer:
         ]
         self._special_all = [s[:4] for s in special]
         self._special_always = [s[:4] for s in special if s[4]]
+        user_defined = (i for i in vocab.special_tokens if vocab.attrs[i] & TokenAttr.USER_DEFINED)
+        self.control_like = frozenset(i for i in user_defined if _TAG_LIKE.fullmatch(vocab.tokens[i]))
+        self._special_content = [s for s in self._special_always if s[0] not in self.control_like]
+        # gemma4: newline-only token texts, emitted whole for a newline run instead of merging (llama.cpp PR 21343)
+        whole_runs = vocab.pre is not None and vocab.pre.whole_newline_runs
+        self._newline_runs = {t: i for t, i in vocab.token_to_id.items() if not t.strip("\n")} if whole_runs else {}
+        # SPM-style BPE over a vocabulary that lacks some <0xXX> tokens: byte -> id or None (else None: HF's
+        # byte fallback is exact when all 256 are there)
+        spm_style = vocab.pre is not None and vocab.pre.spm_style
+        byte_ids = [vocab.token_to_id.get(f"<0x{b:02X}>") for b in range(256)] if spm_style else []
+        self._byte_ids = byte_ids if None in byte_ids else None
 
     @classmethod
     def from_metadata(
@@ -122,11 +141,16 @@ class Tokenizer:
 
     # -- encoding ---------------------------------------------------------------------------------------
 
-    def partition(self, text: str, parse_special: bool = False) -> list[str | int]:
+    def partition(self, text: str, parse_special: bool = False, content: bool = False) -> list[str | int]:
         """Split `text` into raw-text fragments (str) and special token ids (int), as llama.cpp's
-        `tokenizer_st_partition` does: each special token in turn, longest first, cuts every fragment."""
+        `tokenizer_st_partition` does: each special token in turn, longest first, cuts every fragment.
+        `content=True` (message text, grammar text; not with `parse_special`) also leaves the user-defined tokens
+        in `control_like` as text."""
+        if parse_special and content:
+            raise ValueError("partition: parse_special and content exclude each other")
+        matched = self._special_all if parse_special else self._special_content if content else self._special_always
         fragments: list[str | int] = [text] if text else []
-        for token_id, token_text, lstrip, rstrip in self._special_all if parse_special else self._special_always:
+        for token_id, token_text, lstrip, rstrip in matched:
             if token_text not in text:
                 continue
             cut: list[str | int] = []
@@ -150,29 +174,64 @@ class Tokenizer:
             fragments = cut
         return fragments
 
-    def encode(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
+    def encode(
+        self, text: str, add_special: bool = True, parse_special: bool = False, content: bool = False
+    ) -> list[int]:
         """Token ids of `text`, as llama.cpp's `llama_tokenize(vocab, text, add_special, parse_special)`.
 
         `add_special` adds BOS / EOS when the vocabulary asks for them (`add_bos`, `add_eos`);
-        `parse_special` lets control tokens written in the text (e.g. "<|im_start|>") become their ids.
+        `parse_special` lets control tokens written in the text (e.g. "<|im_start|>") become their ids;
+        `content` spells out the tag-like user-defined tokens too (`control_like`: gpt-oss's <|end|>), which
+        llama.cpp matches even without parse_special: text that must never produce a control token.
         """
         vocab, out = self.vocab, []
         if add_special and vocab.add_bos:
             out.append(self._required("bos"))
         prefix_space = vocab.is_spm and vocab.add_space_prefix
         is_prev_special = True  # SPM: a fragment at the start or after a special token gets the prefix space
-        for fragment in self.partition(text, parse_special):
+        for fragment in self.partition(text, parse_special, content):
             if isinstance(fragment, int):
                 out.append(fragment)
                 is_prev_special = True
                 continue
             if prefix_space and is_prev_special:
                 fragment = " " + fragment
-            out.extend(self.engine.encode(fragment, add_special_tokens=False).ids)
+            out.extend(self._fragment_ids(fragment))
             is_prev_special = False
         if add_special and vocab.add_eos:
             out.append(self._required("eos"))
         return out
+
+    def _fragment_ids(self, fragment: str) -> list[int]:
+        """The engine's ids of one fragment; a newline run found in `_newline_runs` is one token (gemma4)."""
+        if not self._newline_runs or "\n" not in fragment:
+            return self._engine_ids(fragment)
+        ids: list[int] = []
+        for piece in _NEWLINE_RUNS.findall(fragment):
+            whole = self._newline_runs.get(piece)
+            ids.extend([whole] if whole is not None else self._engine_ids(piece))
+        return ids
+
+    def _engine_ids(self, text: str) -> list[int]:
+        """The engine's ids of `text`. SPM-style BPE without all byte tokens: HF drops a character that is no token
+        and cannot be spelled in bytes before merging its neighbours; llama.cpp keeps it as a symbol no merge
+        crosses, then writes the byte tokens it has. So the text is cut at such characters here."""
+        byte_ids = self._byte_ids
+        if byte_ids is None:
+            return self.engine.encode(text, add_special_tokens=False).ids
+        known = self.vocab.token_to_id
+        text = text.replace(" ", "▁")  # the engine's normalizer, so that an unknown "▁" is seen here too
+        ids: list[int] = []
+        start = 0
+        for k, c in enumerate(text):
+            spelled = [byte_ids[b] for b in c.encode()]
+            if c in known or None not in spelled:
+                continue
+            ids.extend(self.engine.encode(text[start:k], add_special_tokens=False).ids if k > start else [])
+            ids.extend(i for i in spelled if i is not None)
+            start = k + 1
+        ids.extend(self.engine.encode(text[start:], add_special_tokens=False).ids if start < len(text) else [])
+        return ids
 
     def _required(self, name: str) -> int:
         token_id = self.vocab.special[name]

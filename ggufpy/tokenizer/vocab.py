@@ -18,6 +18,7 @@ import numpy as np
 
 from ..errors import GGUFMetadataError, GGUFUnsupportedError
 from ..schema import TOKENIZER_KEYS, fail, read_all
+from .hashorder import iteration_order
 from .pretokenizers import PreTokenizer, resolve_pre
 
 __all__ = ["TokenAttr", "TokenType", "Vocab", "build_vocab"]
@@ -123,11 +124,28 @@ _EOG_TEXTS = frozenset({
 _ALWAYS_USER_DEFINED = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")
 
 
+@dataclass(frozen=True)
+class _ModelDefaults:
+    """What a `tokenizer.ggml.model` value sets before the metadata is read (load: "determine vocab type")."""
+
+    bpe: bool  # byte-pair merges from tokenizer.ggml.merges (else SentencePiece scores)
+    special: dict[str, int]  # default special ids; the others are None
+    pre: str | None = None  # the tokenizer.ggml.pre this model forces, whatever the file says
+
+
+TOKENIZER_MODELS: dict[str, _ModelDefaults] = {
+    "llama": _ModelDefaults(bpe=False, special={"bos": 1, "eos": 2, "unk": 0}),
+    "gpt2": _ModelDefaults(bpe=True, special={"bos": 11, "eos": 11}),
+    # Gemma 4's converter writes this name: SPM-style BPE, every default special id null
+    "gemma4": _ModelDefaults(bpe=True, special={}, pre="gemma4"),
+}
+
+
 @dataclass(frozen=True, eq=False)
 class Vocab:
     """A GGUF vocabulary with llama.cpp's derived settings. Ids are None where llama.cpp has LLAMA_TOKEN_NULL."""
 
-    model: str  # tokenizer.ggml.model: "llama" (SPM) or "gpt2" (byte-level BPE)
+    model: str  # tokenizer.ggml.model: "llama" (SPM), "gpt2" (BPE) or "gemma4" (SPM-style BPE)
     pre: PreTokenizer | None  # BPE only
     tokens: list[str]  # token texts (an empty text becomes "[EMPTY_<id>]", as in llama.cpp)
     scores: np.ndarray  # f32[n_vocab]
@@ -179,10 +197,11 @@ def build_vocab(metadata: Mapping[str, Any], n_vocab: int | None = None, source:
     """
     v = read_all(metadata, TOKENIZER_KEYS, source=source)
     model = v["model"]
-    if model not in ("llama", "gpt2"):
+    defaults = TOKENIZER_MODELS.get(model)
+    if defaults is None:
         raise GGUFUnsupportedError(
             f"{source + ': ' if source else ''}tokenizer.ggml.model = {model!r} is not supported: ggufpy reads "
-            "'llama' (SentencePiece BPE) and 'gpt2' (byte-level BPE) vocabularies"
+            "'llama' (SentencePiece BPE), 'gpt2' (byte-level BPE) and 'gemma4' (SentencePiece-style BPE) vocabularies"
         )
     n = len(v["tokens"])
     if n_vocab is not None and n != n_vocab:
@@ -194,20 +213,19 @@ def build_vocab(metadata: Mapping[str, Any], n_vocab: int | None = None, source:
         ["bos", "eos", "eot", "eom", "unk", "sep", "pad", "mask", "fim_pre", "fim_suf", "fim_mid", "fim_pad",
          "fim_rep", "fim_sep"]
     )  # fmt: skip
+    special.update(defaults.special)
     pre: PreTokenizer | None = None
     merges: list[tuple[str, str]] = []
-    if model == "llama":
-        special.update(bos=1, eos=2, unk=0)
+    if not defaults.bpe:
         add_space_prefix, clean_spaces, add_bos, add_eos = True, False, True, False
     else:
         if v["merges"] is None:
             raise GGUFMetadataError(
                 f"{source + ': ' if source else ''}metadata key tokenizer.ggml.merges is required but missing: "
-                "a 'gpt2' vocabulary needs its BPE merges"
+                f"a {model!r} vocabulary needs its BPE merges"
             )
         merges = [_split_merge(m) for m in v["merges"]]
-        special.update(bos=11, eos=11)
-        pre = resolve_pre(v["pre"])
+        pre = resolve_pre(defaults.pre or v["pre"])
         add_space_prefix, clean_spaces, add_bos, add_eos = False, pre.clean_spaces, pre.add_bos, False
         if pre.no_bos:
             special["bos"] = None
@@ -240,7 +258,7 @@ def build_vocab(metadata: Mapping[str, Any], n_vocab: int | None = None, source:
             warnings.warn(
                 f"{key} = {new_id} is outside the vocabulary (n = {n}): keeping {special[name]}", stacklevel=2
             )
-    add_bos = _flag(v["add_bos"], add_bos)
+    add_bos = _flag(v["add_bos"], add_bos) or (pre is not None and pre.force_bos)
     add_eos = _flag(v["add_eos"], add_eos)
     add_sep = _flag(v["add_sep"], False)
     for flag, name in ((add_bos, "bos"), (add_eos, "eos")):
@@ -248,14 +266,16 @@ def build_vocab(metadata: Mapping[str, Any], n_vocab: int | None = None, source:
             key = TOKENIZER_KEYS[f"add_{name}"].name
             raise fail(key, True, f"needs a {name} token, and this vocabulary has none", source)
 
-    # EOT / EOM / FIM by text. llama.cpp walks an unordered_map, so with several candidates its pick
-    # depends on hashing; the lowest id matches it on the SmolLM2 vocabulary (<|endoftext|> over <|im_end|>).
+    # EOT / EOM / FIM by text: llama.cpp takes the first candidate its token_to_id map yields (`hashorder`)
+    map_order: list[int] = []
     for name, texts in _DETECT_BY_TEXT.items():
         if special[name] is not None:
             continue
         found = [token_to_id[t] for t in texts if t in token_to_id]
+        if len(found) > 1 and not map_order:
+            map_order = iteration_order(tokens)  # only then: replaying the map takes 0.1-1 s
         if found:
-            special[name] = min(found)
+            special[name] = min(found, key=map_order.index) if len(found) > 1 else found[0]
             attrs[special[name]] |= TokenAttr.CONTROL
 
     # control tokens named "...unused..." are unused
@@ -291,7 +311,7 @@ def build_vocab(metadata: Mapping[str, Any], n_vocab: int | None = None, source:
     is_special = (attrs & (TokenAttr.CONTROL | TokenAttr.USER_DEFINED | TokenAttr.UNKNOWN)) != 0
     special_ids = sorted(np.flatnonzero(is_special).tolist(), key=lambda i: -len(tokens[i].encode()))
 
-    pieces = _pieces(tokens, attrs, model)
+    pieces = _pieces(tokens, attrs, escaped=not defaults.bpe or (pre is not None and pre.spm_style))
     _per_model_attrs(v, token_to_id, attrs, special_ids)
 
     return Vocab(
@@ -345,18 +365,20 @@ def _gpt2_piece(text: str) -> bytes:
         return bytes(out)
 
 
-def _pieces(tokens: Sequence[str], attrs: np.ndarray, model: str) -> list[bytes]:
-    """token_to_piece(id, special=True) for every token (llama-vocab.cpp `token_to_piece`, SPM and BPE cases)."""
+def _pieces(tokens: Sequence[str], attrs: np.ndarray, escaped: bool) -> list[bytes]:
+    """token_to_piece(id, special=True) for every token (llama-vocab.cpp `token_to_piece`, SPM and BPE cases).
+
+    `escaped`: normal tokens spell spaces as "▁" (SPM, and BPE with `escape_whitespaces`), else GPT-2 bytes.
+    """
     # plain ints: IntFlag arithmetic costs a microsecond per operation, this loop runs 262k times for Gemma
     verbatim = int(TokenAttr.UNKNOWN | TokenAttr.CONTROL | TokenAttr.USER_DEFINED)
     normal, byte = int(TokenAttr.NORMAL), int(TokenAttr.BYTE)
-    spm = model == "llama"
     pieces: list[bytes] = []
     for text, attr in zip(tokens, attrs.tolist(), strict=True):
         if attr & verbatim:
             pieces.append(text.encode())
         elif attr & normal:
-            pieces.append(text.replace("▁", " ").encode() if spm else _gpt2_piece(text))
+            pieces.append(text.replace("▁", " ").encode() if escaped else _gpt2_piece(text))
         elif attr & byte:
             pieces.append(bytes([_strtol16(text[3:5])]))
         else:
