@@ -1,12 +1,16 @@
-"""Perplexity and KL-divergence, by llama.cpp's protocol (`tools/perplexity/perplexity.cpp`).
+"""Perplexity by llama.cpp's protocol (`tools/perplexity/perplexity.cpp`), and the logits files its KL-divergence
+reads (the statistics: `ggufpy.kld`).
 
 The text is tokenized once (with BOS when the vocabulary adds one) and cut into `n_chunk = len // n_ctx`
 chunks of `n_ctx` tokens. Each chunk runs on a fresh cache with its first token replaced by BOS (when the
 vocabulary adds one), and only its second half is scored, so every scored token sees at least n_ctx/2 tokens
 of context: the logits at position j (first <= j < n_ctx - 1, first = n_ctx // 2) predict token j + 1.
 
-    nll_j = log(sum_i exp(l_i - max l)) + max l - l[token_{j+1}]        (f32 exps summed in f64)
+    nll_j = log(sum_i expf(l_i - max l)) - (l[token_{j+1}] - max l)   (C's expf per f32, summed in double)
     PPL   = exp(mean nll),   PPL error = PPL * sqrt((mean nll^2 - mean nll^2) / (count - 1))
+
+in C's float widths and order (`expf` is the C library's, not NumPy's float32 exp), so that llama.cpp's logits
+give llama.cpp's numbers up to the order of the double sums.
 
 A saved-logits file has llama.cpp's `--kl-divergence-base` layout, so a base saved by one engine can be
 compared by the other:
@@ -27,6 +31,8 @@ from importlib import resources
 from pathlib import Path
 
 import numpy as np
+
+from .numerics import _libm, _libm_f32
 
 LOGITS_MAGIC = b"_logits_"
 
@@ -81,19 +87,41 @@ def make_chunks(tokenizer, text: str, n_ctx: int, n_chunks: int | None = None) -
     return Chunks(ids[: n * n_ctx], n_ctx, bos)
 
 
-def log_softmax_parts(logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(max l, log sum exp(l - max l)) per row of (R, V) f32 logits, as llama.cpp's `log_softmax`."""
+MIDPOINT_MARGIN = 0.497  # |exp - rounded| beyond this many ulps: within 0.003 ulp of a midpoint, ask the C library
+
+
+def expf(x: np.ndarray) -> np.ndarray:
+    """The C library's expf of each f32 in `x`, what llama-perplexity's scalar loops call (NumPy's own float32 exp
+    differs from glibc's in the last bit for ~40 % of arguments). The float64 exponential rounded to f32 is glibc's
+    result except near a rounding midpoint (glibc's expf errs by at most 0.502 ulp): those few arguments, ~1 %,
+    are passed to the C library itself."""
+    x = np.asarray(x, np.float32)
+    with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+        e = np.exp(x.astype(np.float64))
+        y = e.astype(np.float32)
+        ulp = y.astype(np.float64) - np.nextafter(y, np.float32(0)).astype(np.float64)  # the smaller side's ulp
+        near = ~(np.abs(e - y) < MIDPOINT_MARGIN * ulp)  # also flags zeros and subnormals; inf - inf is nan
+    if near.any() and _libm() is not None:
+        y[near] = _libm_f32("expf", x[near])
+    return y
+
+
+def log_sum_exp_parts(logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(max l f32, log(sum_exp) f64) per row of (R, V) logits, as llama-perplexity's `log_softmax` overloads compute
+    them: sum_exp = the double sum of expf(l - max l), then C's double `log` (the KLD pass rounds it to f32)."""
     logits = np.asarray(logits, dtype=np.float32)
     max_l = logits.max(axis=1)  # (R,)
-    sum_exp = np.exp(logits - max_l[:, None]).sum(axis=1, dtype=np.float64)  # f32 exps, f64 sum
-    return max_l, np.log(sum_exp)
+    sum_exp = expf(logits - max_l[:, None]).sum(axis=1, dtype=np.float64)  # (R,) f64, pairwise not sequential
+    return max_l, np.array([math.log(s) for s in sum_exp.tolist()], np.float64)  # C's double log
 
 
 def row_nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
-    """Negative log-likelihood (R,) f64 of `targets` under each row of `logits` (R, V)."""
-    max_l, log_sum = log_softmax_parts(logits)
-    picked = logits[np.arange(len(targets)), targets].astype(np.float64)
-    return max_l.astype(np.float64) + log_sum - picked
+    """Negative log-likelihood (R,) f64 of `targets` under each row of (R, V) logits, as llama-perplexity's
+    `perplexity()` computes it: -(double)(l[tok] - max l) + log(sum_exp), the difference rounded to f32 first."""
+    logits = np.asarray(logits, dtype=np.float32)
+    max_l, log_sum = log_sum_exp_parts(logits)
+    picked = logits[np.arange(len(targets)), targets]  # (R,) f32
+    return log_sum - (picked - max_l).astype(np.float64)
 
 
 def _nearest_int(x: np.ndarray) -> np.ndarray:
@@ -101,12 +129,14 @@ def _nearest_int(x: np.ndarray) -> np.ndarray:
     return np.rint(x.astype(np.float32)).astype(np.int64)
 
 
-def encode_log_probs(logits: np.ndarray) -> np.ndarray:
-    """Rows of (R, V) logits as llama.cpp stores them in a logits file: (R, nv) uint16."""
+def encode_log_probs(logits: np.ndarray, targets: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+    """Rows of (R, V) logits as llama.cpp stores them in a logits file: ((R, nv) uint16, nll (R,) f64 or None).
+
+    With `targets`, also the rows' NLL as that `log_softmax` returns it (`max + log_sum_exp - l[tok]`, in f32)."""
     R, V = logits.shape
     nv = 2 * ((V + 1) // 2) + 4
     logits = np.asarray(logits, dtype=np.float32)
-    max_l, log_sum = log_softmax_parts(logits)
+    max_l, log_sum = log_sum_exp_parts(logits)
     min_l = np.maximum(logits.min(axis=1), max_l - np.float32(16))  # (R,) f32
     log_sum32 = log_sum.astype(np.float32)  # `const float log_sum_exp = log(sum_exp)`
     min_log_prob = (min_l - max_l - log_sum32).astype(np.float32)
@@ -119,14 +149,17 @@ def encode_log_probs(logits: np.ndarray) -> np.ndarray:
         q = _nearest_int(inv[:, None] * (logits - min_l[:, None]))
     q = np.where(logits > min_l[:, None], q, 0)
     out[:, 4 : 4 + V] = np.clip(q, 0, 65535).astype(np.uint16)
-    return out
+    if targets is None:
+        return out, None
+    return out, (max_l + log_sum32 - logits[np.arange(R), targets]).astype(np.float64)
 
 
 def decode_log_probs(rows: np.ndarray, n_vocab: int) -> np.ndarray:
-    """(R, nv) uint16 rows of a logits file back to approximate log-probabilities (R, V) f32."""
+    """(R, nv) uint16 rows of a logits file back to log-probabilities (R, V) f32: `scale * q + min_log_prob`,
+    a product and a sum each rounded to f32 (llama-perplexity is compiled without FMA contraction)."""
     head = np.ascontiguousarray(rows[:, :4]).view("<f4")  # (R, 2): scale, min_log_prob
     q = rows[:, 4 : 4 + n_vocab].astype(np.float32)
-    return head[:, :1] * q + head[:, 1:2]
+    return (head[:, :1] * q).astype(np.float32) + head[:, 1:2]
 
 
 @dataclass
@@ -175,9 +208,12 @@ def perplexity(
     ppl = Perplexity()
     for i in range(chunks.n_chunk):
         logits = chunk_logits(model, chunks, i)
-        ppl.add(row_nll(logits, chunks.targets(i)))
-        if save_logits is not None:
-            save_logits.write(encode_log_probs(logits).astype("<u2").tobytes())
+        if save_logits is None:
+            ppl.add(row_nll(logits, chunks.targets(i)))
+        else:  # this pass's NLL is the f32 one of the log_softmax that encodes the rows
+            rows, nll = encode_log_probs(logits, chunks.targets(i))
+            ppl.add(nll)
+            save_logits.write(rows.astype("<u2").tobytes())
         if on_chunk is not None:
             on_chunk(i, ppl)
     return ppl
@@ -230,136 +266,3 @@ class LogitsFile:
 
     def chunks(self, bos_id: int | None) -> Chunks:
         return Chunks(np.asarray(self.tokens, dtype=np.int32), self.n_ctx, bos_id)
-
-
-# -- KL-divergence --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class KLDivergence:
-    """llama.cpp's `kl_divergence_result`: running sums plus every token's KLD and Δp for the percentiles."""
-
-    sum_nll: float = 0.0
-    sum_nll2: float = 0.0
-    sum_nll_base: float = 0.0
-    sum_nll_base2: float = 0.0
-    sum_nll_nll_base: float = 0.0
-    sum_kld: float = 0.0
-    sum_kld2: float = 0.0
-    sum_p_diff: float = 0.0
-    sum_p_diff2: float = 0.0
-    sum_p_diff4: float = 0.0
-    max_p_diff: float = 0.0
-    n_same_top: int = 0
-    count: int = 0
-    kld_values: list[np.ndarray] = field(default_factory=list)
-    p_diff_values: list[np.ndarray] = field(default_factory=list)
-
-    def add(self, logits: np.ndarray, base_rows: np.ndarray, targets: np.ndarray) -> None:
-        """Score rows of (R, V) logits against the base's (R, nv) stored log-probs of the same tokens."""
-        R, V = logits.shape
-        logits = np.asarray(logits, dtype=np.float32)
-        max_l, log_sum = log_softmax_parts(logits)
-        log_sum32 = log_sum.astype(np.float32)
-        idx = np.arange(R)
-        nll = (max_l + log_sum32 - logits[idx, targets]).astype(np.float32)
-        base_log_p = decode_log_probs(base_rows, V)  # (R, V) f32
-        nll_base = (-base_log_p[idx, targets]).astype(np.float32)
-        # KL(base || model) over the base's probable tokens (p_base > e^-16), as llama.cpp sums it
-        log_p = logits - (max_l + log_sum32)[:, None]  # (R, V) f32 log-probs of the model
-        mask = base_log_p > np.float32(-16)
-        p_base = np.where(mask, np.exp(np.where(mask, base_log_p, 0)), 0).astype(np.float32)
-        kld = (p_base * (base_log_p - log_p)).astype(np.float64).sum(axis=1)  # (R,)
-        p_diff = (np.exp(-nll) - np.exp(-nll_base)).astype(np.float32)
-        n64, b64, d64 = nll.astype(np.float64), nll_base.astype(np.float64), p_diff.astype(np.float64)
-        self.sum_nll += n64.sum()
-        self.sum_nll2 += (n64 * n64).sum()
-        self.sum_nll_base += b64.sum()
-        self.sum_nll_base2 += (b64 * b64).sum()
-        self.sum_nll_nll_base += (n64 * b64).sum()
-        self.sum_kld += kld.sum()
-        self.sum_kld2 += (kld * kld).sum()
-        self.sum_p_diff += d64.sum()
-        self.sum_p_diff2 += (d64 * d64).sum()
-        self.sum_p_diff4 += (d64**4).sum()
-        self.max_p_diff = max(self.max_p_diff, float(np.abs(p_diff).max()))
-        # first maximum of each, as llama.cpp's loops pick it
-        self.n_same_top += int((logits.argmax(axis=1) == base_log_p.argmax(axis=1)).sum())
-        self.count += R
-        self.kld_values.append(kld.astype(np.float32))
-        self.p_diff_values.append(p_diff)
-
-    def statistics(self) -> dict[str, tuple[float, float] | float]:
-        """The numbers llama.cpp prints after the chunks (values; uncertainties where it gives one)."""
-        log_ppl = _mean_and_uncertainty(self.sum_nll, self.sum_nll2, self.count)
-        log_base = _mean_and_uncertainty(self.sum_nll_base, self.sum_nll_base2, self.count)
-        cov = _covariance(self.sum_nll, self.sum_nll_base, self.sum_nll_nll_base, self.count)
-        ppl, ppl_base = math.exp(log_ppl[0]), math.exp(log_base[0])
-        ratio = log_ppl[0] - log_base[0]
-        ratio_unc = math.sqrt(max(log_ppl[1] ** 2 + log_base[1] ** 2 - 2 * cov, 0.0))
-        kld = np.sort(np.concatenate(self.kld_values))
-        p_diff = np.sort(np.concatenate(self.p_diff_values))
-        mse = _mean_and_uncertainty(self.sum_p_diff2, self.sum_p_diff4, self.count)
-        rms = math.sqrt(mse[0])
-        top = self.n_same_top / self.count
-        stats: dict[str, tuple[float, float] | float] = {
-            "ppl": (ppl, ppl * log_ppl[1]),
-            "ppl_base": (ppl_base, ppl_base * log_base[1]),
-            "ln_ppl_ratio": (ratio, ratio_unc),
-            "kld_mean": _mean_and_uncertainty(self.sum_kld, self.sum_kld2, self.count),
-            "kld_max": float(kld[-1]),
-            "kld_median": _median(kld),
-            "p_diff_mean": _mean_and_uncertainty(self.sum_p_diff, self.sum_p_diff2, self.count),
-            "p_diff_rms": (rms, 0.5 / rms * mse[1] if rms > 0 else 0.0),
-            "same_top": (top, math.sqrt(top * (1 - top) / (self.count - 1)) if self.count > 1 else 0.0),
-        }
-        for f in (0.999, 0.99, 0.95, 0.9, 0.1, 0.05, 0.01, 0.001):
-            stats[f"kld_{f * 100:g}%"] = _percentile(kld, f)
-        for f in (0.999, 0.99, 0.95, 0.9, 0.75, 0.25, 0.1, 0.05, 0.01, 0.001):
-            stats[f"p_diff_{f * 100:g}%"] = _percentile(p_diff, f)
-        stats["kld_min"] = float(kld[0])
-        stats["p_diff_median"] = _median(p_diff)
-        return stats
-
-
-def kl_divergence(model, base: LogitsFile, on_chunk: Callable[[int, KLDivergence], None] | None = None) -> KLDivergence:
-    """Compare `model` with a base model's saved log-probabilities on the base's own tokens and chunks."""
-    if base.n_vocab != model.config.vocab_size:
-        raise ValueError(f"{base.path}: vocabulary {base.n_vocab} differs from the model's {model.config.vocab_size}")
-    tok = model.tokenizer
-    chunks = base.chunks(tok.bos_id if tok is not None and tok.add_bos else None)
-    kld = KLDivergence()
-    for i in range(chunks.n_chunk):
-        kld.add(chunk_logits(model, chunks, i), np.asarray(base.rows[i]), chunks.targets(i))
-        if on_chunk is not None:
-            on_chunk(i, kld)
-    return kld
-
-
-def _mean_and_uncertainty(total: float, total2: float, count: int) -> tuple[float, float]:
-    if count < 1:
-        return 0.0, 0.0
-    f = total / count
-    df = total2 / count - f * f
-    return f, math.sqrt(df / (count - 1)) if df > 0 and count > 10 else 0.0
-
-
-def _covariance(a: float, b: float, ab: float, count: int) -> float:
-    return 0.0 if count < 10 else (ab / count - (a / count) * (b / count)) / (count - 1)
-
-
-def _median(values: np.ndarray) -> float:
-    n = len(values)
-    return float(0.5 * (values[n // 2] + values[n // 2 - 1]) if n % 2 == 0 else values[n // 2])
-
-
-def _percentile(values: np.ndarray, fraction: float) -> float:
-    """llama.cpp's linear-interpolation percentile over sorted values (f32 arithmetic)."""
-    if fraction <= 0:
-        return float(values[0])
-    if fraction >= 1:
-        return float(values[-1])
-    p = np.float32(fraction) * np.float32(len(values) - 1)
-    ip = int(p)
-    p = p - np.float32(ip)
-    return float((np.float32(1) - p) * values[ip] + p * values[min(ip + 1, len(values) - 1)])

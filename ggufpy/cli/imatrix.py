@@ -23,7 +23,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--chunks", type=int, default=None, help="use at most this many chunks")
     p.add_argument("--process-output", action="store_true", help="collect output.weight too (llama.cpp's flag)")
     p.add_argument("--backend", default=None, help="numpy or numba (default: numba when installed)")
-    p.add_argument("--numerics", default="exact", choices=NUMERICS_MODES, help="numerics mode (default exact)")
+    p.add_argument(
+        "--numerics",
+        default="exact",
+        choices=(*NUMERICS_MODES, "host"),
+        help="numerics mode (default exact; host: this CPU's llama.cpp build, whose matmul inputs llama-imatrix sums)",
+    )
     p.set_defaults(func=run)
 
 
@@ -31,9 +36,11 @@ def run(args: argparse.Namespace) -> int:
     from ..imatrix import compute_imatrix
     from ..loading import load
     from ..perplexity import default_text, make_chunks
+    from .perplexity import resolve_numerics
 
-    note_numerics(args.numerics)
-    model = load(args.model, backend=args.backend, numerics=args.numerics)
+    numerics = resolve_numerics(args.numerics)
+    note_numerics(numerics)
+    model = load(args.model, backend=args.backend, numerics=numerics)
     if args.file:
         with open(args.file, encoding="utf-8", errors="replace") as fh:
             text = fh.read()
