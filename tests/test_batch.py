@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import ggufpy
+from ggufpy.constants import GGMLType
 from ggufpy.kernels import AVAILABLE, JIT_DISABLED
 from tests.models import gemma3_path, smollm2_path
 
@@ -67,7 +68,7 @@ def assert_batch_invariant(model, sizes, seed=0, steps=2):
 
 def test_smollm2_batch_invariant(smollm2):
     if smollm2.backend.name == "numba":
-        assert_batch_invariant(smollm2, sizes=(1, 2, 3, 5, 8))
+        assert_batch_invariant(smollm2, sizes=range(1, 9))
     else:  # the NumPy backend decodes a batch row by row: fewer rows keep this test short
         assert_batch_invariant(smollm2, sizes=(1, 5), steps=1)
 
@@ -76,7 +77,7 @@ def test_smollm2_batch_invariant(smollm2):
 def test_gemma3_batch_invariant():
     """Gemma 3: Q/K norms, post-norms, sliding-window layers, GELU, a scaled Q (the unfused block path)."""
     model = ggufpy.load(gemma3_path(), backend="numba", tokenizer=False)
-    assert_batch_invariant(model, sizes=(1, 4, 8), steps=1)
+    assert_batch_invariant(model, sizes=(1, 2, 3, 4, 7, 8), steps=1)
 
 
 @needs_numba
@@ -109,3 +110,61 @@ def test_errors(smollm2):
     with pytest.raises(ValueError, match=r"position 5 is not in 0\.\.3"):
         smollm2.decode_batch(np.asarray([1, 2]), [5, 1], caches)
     assert [c.length for c in caches] == [3, 1]  # nothing was written
+
+
+# the weight types of the two test models: SmolLM2 (Q4_1, its head Q8_0), Gemma 3 (Q4_K, Q5_0, Q6_K, Q8_0)
+MODEL_TYPES = [GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q5_0, GGMLType.Q6_K]
+
+
+@needs_numba
+@pytest.mark.parametrize("t", MODEL_TYPES, ids=lambda t: t.name)
+def test_rows_kernel_equals_the_single_row_kernel(t):
+    """`matvec_rows` (the products of `decode_batch`): each of B = 1..8 rows bit for bit `matvec` of that row
+    alone, whatever its neighbours and its place in the row tiles (pairs, then an odd last row); 130 weight
+    rows leave a partial last group, a row of zeros and a sub-block of zeros give sums of exactly 0."""
+    from ggufpy.kernels.batched import matvec_rows
+    from ggufpy.kernels.layout import pack
+    from ggufpy.kernels.matvec import matvec, plan
+    from tests.test_kernels import random_weight
+
+    p = pack(random_weight(t, 130, 512, seed=3))
+    planned = plan(p)
+    x = np.random.default_rng(4).standard_normal((8, 512)).astype(np.float32)
+    x[2] = 0.0
+    x[5, 256:288] = 0.0
+    alone = np.concatenate([matvec(p, x[b : b + 1], None, planned=planned) for b in range(8)])
+    for B in range(1, 9):
+        rows = matvec_rows(p, x[8 - B :], None, planned)  # row b of x in every position from 0 to 7
+        assert rows.shape == (B, p.groups * 64)
+        assert np.array_equal(rows, alone[8 - B :]), f"{t.name}, B={B}"
+
+
+@needs_numba
+def test_rows_kernel_with_activation_terms_is_the_single_row_kernel():
+    """Quantized activations (llamacpp numerics' terms) take the single-row kernel row by row."""
+    from ggufpy.kernels import activations as act
+    from ggufpy.kernels.batched import matvec_rows
+    from ggufpy.kernels.layout import pack
+    from ggufpy.kernels.matvec import matvec
+    from tests.test_kernels import random_weight
+
+    p = pack(random_weight(GGMLType.Q4_0, 64, 256, seed=5))
+    x = np.random.default_rng(6).standard_normal((3, 256)).astype(np.float32)
+    xv, terms = act.prepare(x, act.Q8_0, p.sub)
+    alone = [matvec(p, *act.prepare(x[b : b + 1], act.Q8_0, p.sub)) for b in range(3)]
+    assert np.array_equal(matvec_rows(p, xv, terms), np.concatenate(alone))
+
+
+@needs_numba
+def test_row_invariant_activations_equal_row_by_row():
+    """What lets `Model.feed_forward` call the backend's activations once on a whole (B, F) batch: each row
+    bit for bit the call on that row alone, with rows of lengths that leave scalar tails after the SIMD body."""
+    from ggufpy.kernels.backend import NumbaBackend
+
+    rng = np.random.default_rng(7)
+    assert NumbaBackend.row_invariant
+    for act in NumbaBackend.row_invariant:
+        for F in (1, 7, 33, 64, 1536):
+            x = (rng.standard_normal((8, F)) * rng.choice([0.01, 1, 10, 100], (8, F))).astype(np.float32)
+            alone = np.concatenate([act(x[b : b + 1]) for b in range(8)])
+            assert np.array_equal(act(x).view(np.uint32), alone.view(np.uint32)), f"{act}, F={F}"

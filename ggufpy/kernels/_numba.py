@@ -1,5 +1,6 @@
-"""Compilation options and thread control for every kernel: with `int8ir.py` and `int8ir_x8.py` (the LLVM IR of
-the integer dot products, written against numba's intrinsic API), the only modules that import numba.
+"""Compilation options and thread control for every kernel: with `int8ir.py`, `int8ir_x8.py` (the LLVM IR of the
+integer dot products) and `batched_ir.py` (the batched products), written against numba's intrinsic API, the only
+modules that import numba.
 
 Kernels are compiled lazily on first call and cached on disk (`cache=True`, in `__pycache__` next to the
 source, or `NUMBA_CACHE_DIR`). With `NUMBA_DISABLE_JIT=1` the same functions run as plain Python (`prange`
@@ -38,6 +39,11 @@ DISABLED = bool(numba.config.DISABLE_JIT)
 # `reassoc` lets LLVM vectorize float reductions and `contract` fuse multiply-adds. Unlike fastmath=True it
 # keeps NaN and inf semantics, so a NaN weight still poisons its output row as in the reference.
 FAST = frozenset({"reassoc", "contract", "nsz"})
+# A parallel kernel compiled with `reassoc` computed differently when compiled in this process than when
+# loaded from numba's disk cache (its parfor body is optimized again where it is linked): two processes then
+# disagreed in the last bits (issue 15, split == whole through Ray; tests/test_kernels_cache.py). So parallel
+# kernels get `contract` only, and a reduction that must vectorize goes in a serial `fast` helper they call
+# (`attention._dot`), which computes the same either way.
 
 
 def jit(fn=None, *, parallel: bool = False, fast: bool = False, inline: bool = False):
@@ -49,8 +55,8 @@ def jit(fn=None, *, parallel: bool = False, fast: bool = False, inline: bool = F
         options = {"cache": True, "nogil": True, "error_model": "numpy"}
         if parallel:
             options["parallel"] = True
-        if fast:
-            options["fastmath"] = set(FAST)
+        if fast:  # a parallel kernel without `reassoc`: see the comment at `FAST`
+            options["fastmath"] = set(FAST - {"reassoc"} if parallel else FAST)
         if inline:
             options["inline"] = "always"
         return numba.njit(**options)(f)

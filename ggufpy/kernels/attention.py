@@ -41,6 +41,24 @@ def exp_nonpositive(x):
     return p * scale
 
 
+@jit(fast=True)  # not inlined: a serial function keeps `reassoc` (see `_numba.FAST`), which vectorizes the sum
+def _dot(a, b, n):
+    """sum(a[:n] * b[:n]) in f32."""
+    total = np.float32(0.0)
+    for i in range(n):
+        total += a[i] * b[i]
+    return total
+
+
+@jit(fast=True)
+def _sum(a, n):
+    """sum(a[:n]) in f32."""
+    total = np.float32(0.0)
+    for i in range(n):
+        total += a[i]
+    return total
+
+
 @jit(parallel=True, fast=True)
 def _attention(nt, q, k, v, start, scale, window, softcap, out):
     previous = use_threads(nt)
@@ -55,20 +73,17 @@ def _attention(nt, q, k, v, start, scale, window, softcap, out):
         lo = max(0, pos - window + 1) if window > 0 else 0  # keys lo..hi-1 are visible
         hi = min(S, pos + 1)
         scores = np.empty(max(hi - lo, 0), np.float32)
+        qh = q[t, h]
         peak = np.float32(-np.inf)
         for s in range(lo, hi):
-            acc = np.float32(0.0)
-            for e in range(E):
-                acc += q[t, h, e] * k[s, g, e]
-            acc *= scale
+            acc = _dot(qh, k[s, g], E) * scale
             if softcap > 0:
                 acc = softcap * np.tanh(acc / softcap)
             scores[s - lo] = acc
             peak = max(peak, acc)
-        total = np.float32(0.0)
         for j in range(hi - lo):
             scores[j] = exp_nonpositive(scores[j] - peak)
-            total += scores[j]
+        total = _sum(scores, hi - lo)
         for e in range(E):
             out[t, h, e] = 0.0
         for s in range(lo, hi):

@@ -444,6 +444,10 @@ class NumbaBackend:
 
         return linears_rows(self, x, ws)
 
+    # Activations whose compiled loop does the same f32 operations in its SIMD body and its scalar tail, so that
+    # one call on (B, F) equals B calls of one row (tests/test_batch.py): `Model.feed_forward` makes one call.
+    row_invariant: ClassVar[frozenset] = frozenset({kernel_ops.silu, kernel_ops.gelu_tanh})
+
     def __repr__(self) -> str:
         return (
             f"NumbaBackend(numerics={self.numerics.name!r}, threads={self.threads}, "

@@ -5,19 +5,23 @@
 (`_nib_row`; `_row` with the `*_dot1` inner products), with the loops turned inside out:
 
     for g in prange(groups):       # one task per group of 64 weight rows
-        for s in sub-blocks:       # unpack sub-block s of the group to f32 (S, 64) once
-            for t in range(B):     # row t's sums over it, in the single-row kernel's order
+        for s in sub-blocks:       # unpack sub-block s of the group to f32 (S, 64) once, its scales once
+            row_sums               # every row's 64 lane sums over it, in registers (batched_ir.py)
+            for t in range(B):     # row t's scale step, in the single-row kernels' own code
 
-so each weight byte comes from memory once per step for all B rows (decode is memory-bound), and is unpacked
-to f32 once for all rows (a sub-block at a time, into an L1 scratch). `matvec`'s own T > 1 path takes rows
-two at a time with another summation (and the last row of an odd T alone), so its rows depend on their
-neighbours: the batched decode of `Model.decode_batch` must not use it.
+so each weight byte comes from memory once per step for all B rows, is unpacked to f32 once for all rows
+(into an L1 scratch), and the multiply-adds of a pair of rows share each vector load of those values. The
+scale step is the single-row kernels' code on purpose: their parallel body rounds it differently when it was
+compiled in this process and when it came from numba's cache (same machine code for the kernel itself: the
+body linked in from its own compile, or the copy in the cached object), and only the same numba code follows
+them in both cases (tests/test_batch.py passes on a cold and on a warm cache). `matvec`'s own T > 1 path
+takes rows two at a time with another summation (and the last row of an odd T alone), so its rows depend on
+their neighbours: the batched decode of `Model.decode_batch` must not use it.
 
-numba caveat (measured): a kernel compiled in this process and the same source loaded from numba's disk
-cache can round differently, so "bit-identical to `matvec`" holds when both kernels come from the same place
-(both compiled now, as on a clean checkout, or both cached); right after this file changes, the first process
-compiles these kernels while `matvec`'s come from the cache. The server decodes every token with these
-kernels, so its responses do not depend on it.
+numba caveat: "bit-identical to `matvec`" holds when both kernels come from the same place (both compiled
+now, as on a clean checkout, or both cached); right after this file changes, the first process compiles these
+kernels while `matvec`'s come from the cache. The server decodes every token with these kernels, so its
+responses do not depend on it.
 """
 
 from __future__ import annotations
@@ -27,8 +31,9 @@ import numpy as np
 from . import rawblocks
 from ._numba import get_threads, jit, prange, use_threads
 from .backend import FLOAT_TYPES
+from .batched_ir import row_sums
 from .layout import GROUP, Packed
-from .matvec import _NO_TERMS, _nib6_values, _scale_at, _terms, plan
+from .matvec import _NO_TERMS, _nib6_values, _scale_at, _terms, matvec, plan
 
 __all__ = ["linears_rows", "matvec_rows"]
 
@@ -62,40 +67,47 @@ def _unpack_i8(q, g, s, S, vals, quarter):
 
 
 @jit(inline=True)
-def _rows(unpack, q, a, b, sc, mn, per, zo, xv, terms, exact, g, out, quarter):
+def _rows(unpack, q, a, b, sc, mn, per, zo, xv, g, out, quarter):
     """Every row t of xv times group g, each row's operations those of the single-row kernels (`_nib_row`,
-    `_row`): per lane r, blk[r] += x[t, k] * value[k, r] over the sub-block's k in order, then the scales
-    (`_accumulate_direct`). The sub-block is unpacked once into `vals` (<= 8 KB, in L1) for all rows.
-    Scratch arrays are indexed, never sliced: a view in a parallel loop's body costs numba's `noalias`."""
+    `_row`): per lane r, the sum over the sub-block (`row_sums`, batched_ir.py), then the scale step in the
+    expressions of `_accumulate_direct`, with the lane scales converted (exactly) once per sub-block for all
+    rows. Scratch arrays are indexed, never sliced: a view in a parallel loop's body costs numba's `noalias`."""
     _, n, S, _ = q.shape
     B = xv.shape[0]
     vals = np.empty((S, 64), np.float32)
-    blk = np.empty(64, np.float32)
+    blk = np.empty((B, 64), np.float32)
     acc = np.zeros((B, 64), np.float32)
+    lane = np.empty((4, 64), np.float32)  # the sub-block's A, B, sc, mn per lane, as f32 (exact conversions)
     for s in range(n):
         unpack(q, g, s, S, vals, quarter)
+        row_sums(vals, xv, s, blk)
         sb = s // per
-        for t in range(B):
+        for r in range(64):
+            lane[0, r] = _scale_at(a, g, sb, r)
+        if b.shape[0] > 0:
             for r in range(64):
-                blk[r] = 0.0
-            for k in range(S):
-                xk = xv[t, s * S + k]
-                for r in range(64):
-                    blk[r] += xk * vals[k, r]
-            corr, sa, sm = _terms(xv, terms, exact, zo, t, s, S)
+                lane[1, r] = _scale_at(b, g, sb, r)
+        if sc.shape[0] > 0:
+            for r in range(64):
+                lane[2, r] = np.float32(np.int32(sc[g, s, r]))
+        if mn.shape[0] > 0:
+            for r in range(64):
+                lane[3, r] = np.float32(np.int32(mn[g, s, r]))
+        for t in range(B):
+            corr, sa, sm = _terms(xv, _NO_TERMS, True, zo, t, s, S)
             if sc.shape[0] > 0:
                 for r in range(64):
-                    acc[t, r] += (_scale_at(a, g, sb, r) * np.float32(np.int32(sc[g, s, r])) * sa) * (blk[r] + corr)
+                    acc[t, r] += (lane[0, r] * lane[2, r] * sa) * (blk[t, r] + corr)
             else:
                 for r in range(64):
-                    acc[t, r] += (_scale_at(a, g, sb, r) * sa) * (blk[r] + corr)
+                    acc[t, r] += (lane[0, r] * sa) * (blk[t, r] + corr)
             if b.shape[0] > 0:
                 if mn.shape[0] > 0:
                     for r in range(64):
-                        acc[t, r] += _scale_at(b, g, sb, r) * np.float32(np.int32(mn[g, s, r])) * sm
+                        acc[t, r] += lane[1, r] * lane[3, r] * sm
                 else:
                     for r in range(64):
-                        acc[t, r] += _scale_at(b, g, sb, r) * sm
+                        acc[t, r] += lane[1, r] * sm
     for t in range(B):
         for r in range(64):
             out[t, g * 64 + r] = acc[t, r]
@@ -103,26 +115,26 @@ def _rows(unpack, q, a, b, sc, mn, per, zo, xv, terms, exact, g, out, quarter):
 
 # Separate kernels per family, as in `matvec`: LLVM optimizes each loop nest on its own.
 @jit(parallel=True, fast=True)
-def _rows_nib(nt, q, a, b, sc, mn, per, zo, xv, terms, exact, out):
+def _rows_nib(nt, q, a, b, sc, mn, per, zo, xv, out):
     previous = use_threads(nt)
     for g in prange(q.shape[0]):
-        _rows(_unpack_nib, q, a, b, sc, mn, per, zo, xv, terms, exact, g, out, 0)
+        _rows(_unpack_nib, q, a, b, sc, mn, per, zo, xv, g, out, 0)
     use_threads(previous)
 
 
 @jit(parallel=True, fast=True)
-def _rows_nib6(nt, q, a, b, sc, mn, per, zo, xv, terms, exact, out):
+def _rows_nib6(nt, q, a, b, sc, mn, per, zo, xv, out):
     previous = use_threads(nt)
     for g in prange(q.shape[0]):
-        _rows(_unpack_nib6, q, a, b, sc, mn, per, zo, xv, terms, exact, g, out, q.shape[3] // 3)
+        _rows(_unpack_nib6, q, a, b, sc, mn, per, zo, xv, g, out, q.shape[3] // 3)
     use_threads(previous)
 
 
 @jit(parallel=True, fast=True)
-def _rows_i8(nt, q, a, b, sc, mn, per, zo, xv, terms, exact, out):
+def _rows_i8(nt, q, a, b, sc, mn, per, zo, xv, out):
     previous = use_threads(nt)
     for g in prange(q.shape[0]):
-        _rows(_unpack_i8, q, a, b, sc, mn, per, zo, xv, terms, exact, g, out, 0)
+        _rows(_unpack_i8, q, a, b, sc, mn, per, zo, xv, g, out, 0)
     use_threads(previous)
 
 
@@ -134,12 +146,16 @@ def matvec_rows(p: Packed, xv: np.ndarray, terms: np.ndarray | None, planned=Non
 
     `terms=None` means exact numerics (xv = x), as in `matvec`; otherwise `activations.prepare` made xv and terms
     row by row. Rows past `p.rows` (padding of the last group) are 0."""
+    xv = np.ascontiguousarray(xv, dtype=np.float32)
     out = np.empty((xv.shape[0], p.groups * GROUP), np.float32)
     if p.family == "blocks":  # rawblocks computes every row with the same loop: bit-identical to one row alone
         return rawblocks.matvec(p.type, p.q, xv, terms, out, threads or get_threads())
+    if terms is not None:  # quantized activations: each row through the single-row kernel itself
+        for t in range(len(xv)):
+            matvec(p, xv[t : t + 1], np.ascontiguousarray(terms[:, t : t + 1]), out[t : t + 1], planned, threads)
+        return out
     _, args = planned or plan(p)
-    exact = terms is None
-    _ROWS[p.family](threads or get_threads(), *args, xv, _NO_TERMS if exact else terms, exact, out)
+    _ROWS[p.family](threads or get_threads(), *args, xv, out)
     return out
 
 
