@@ -137,8 +137,8 @@ def test_fallbacks_and_overrides():
     assert plan.ftype.name == "Q4_K_M"  # the alias
     assert chosen["blk.3.attn_q.weight"] == GGMLType.Q8_0 and chosen["token_embd.weight"] == GGMLType.F16
     assert chosen["blk.0.attn_v.weight"] == GGMLType.Q5_0  # --pure: Q4_K (not Q6_K), then the fallback
-    with pytest.raises(GGUFError, match=r"unsupported quantization mix 'IQ2_XXS'.*Q4_K_M"):
-        TypePlan.for_model(f.metadata, names, "IQ2_XXS")
+    with pytest.raises(GGUFError, match=r"unsupported quantization mix 'MXFP4_MOE'.*Q4_K_M"):
+        TypePlan.for_model(f.metadata, names, "MXFP4_MOE")
 
 
 # --- whole files -------------------------------------------------------------------------------------------

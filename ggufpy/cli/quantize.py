@@ -1,10 +1,11 @@
 """`ggufpy quantize IN OUT TYPE`: llama-quantize's mixes, the same tensors byte for byte.
 
 TYPE is one of llama.cpp's mixes (Q4_K_M, Q4_K_S, Q5_K_M, Q5_K_S, Q3_K_L/M/S, Q2_K, Q6_K, Q8_0, Q4_0, Q4_1, Q5_0,
-Q5_1, IQ4_NL, IQ4_XS, F16, BF16, F32; Q3_K/Q4_K/Q5_K mean the _M mix). Each tensor's type is chosen as
-`llama_tensor_get_type` does (more bits for attn_v and some ffn_down layers, 32-block fallbacks for rows that are
-not a multiple of 256), quantized tensors are requantized from their f32 values (llama-quantize
---allow-requantize), and the output is written to a temporary file renamed when complete.
+Q5_1, IQ4_NL, IQ4_XS, IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ2_M, IQ3_XXS, IQ3_XS, IQ3_S, IQ3_M, Q2_K_S (the IQ1,
+IQ2 and IQ3_XXS ones and Q2_K_S need --imatrix), F16, BF16, F32; Q3_K/Q4_K/Q5_K mean the _M mix). Each tensor's
+type is chosen as `llama_tensor_get_type` does (more bits for attn_v and some ffn_down layers, 32-block
+fallbacks for rows that are not a multiple of 256), quantized tensors are requantized from their f32 values
+(llama-quantize --allow-requantize), and the output is written to a temporary file renamed when complete.
 """
 
 from __future__ import annotations
