@@ -199,7 +199,7 @@ def gelu_tanh_ggml(x: np.ndarray) -> np.ndarray:
     return np.where(x <= -10, np.float32(0), np.where(x >= 10, x, looked_up))
 
 
-def _attention_x86(q, k, v, start, scale, window=None, softcap=None, isa="avx512", sinks=None):
+def attention_x86(q, k, v, start, scale, window=None, softcap=None, isa="avx512", sinks=None):
     """`attention_ggml` with the f32 operations of the kernels llama.cpp runs (`ggufpy.quants.x86.attention`)."""
     from .quants.x86.attention import attention
 
@@ -255,7 +255,7 @@ NUMERICS: dict[str, Numerics] = {
         rope_angles=rope_angles_ggml,
         rope=rope_ggml,
         softcap=_softcap_ggml,
-        attention=_attention_x86,
+        attention=attention_x86,
         quantize_activations=True,
         x86_kernels=True,
         activations={"silu": _silu_x86, "gelu_tanh": gelu_tanh_ggml},
@@ -266,7 +266,7 @@ NUMERICS: dict[str, Numerics] = {
 NUMERICS["llamacpp-avx2"] = dataclasses.replace(
     NUMERICS["llamacpp"],
     name="llamacpp-avx2",
-    attention=functools.partial(_attention_x86, isa="avx2"),
+    attention=functools.partial(attention_x86, isa="avx2"),
     activations={"silu": functools.partial(_silu_x86, isa="avx2"), "gelu_tanh": gelu_tanh_ggml},
     x86_isa="avx2",
     layer_norm=functools.partial(layer_norm_ggml, isa="avx2"),

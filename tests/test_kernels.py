@@ -428,14 +428,17 @@ def test_exp_is_accurate_over_the_softmax_range():
 
 
 @needs_numba
-def test_backend_attention_defers_to_non_exact_numerics():
-    from ggufpy.numerics import attention_ggml
-
+@pytest.mark.parametrize("mode", ["llamacpp", "llamacpp-avx2"])
+def test_backend_attention_is_the_numerics_own(mode):
+    """In the llamacpp numerics the backend's attention is the numerics' replay of ggml's, bit for bit
+    (compiled: `kernels.x86`), with and without a softcap (which the NumPy replay computes)."""
     rng = np.random.default_rng(15)
     q, k, v = rng.standard_normal((2, 4, 8)), rng.standard_normal((5, 2, 8)), rng.standard_normal((5, 2, 8))
     q, k, v = (a.astype(np.float32) for a in (q, k, v))
-    got = NumbaBackend(NUMERICS["llamacpp"]).attention(q, k, v, 3, 0.3)
-    assert np.array_equal(got, attention_ggml(q, k, v, 3, 0.3))
+    nm = NUMERICS[mode]
+    for extra in ({}, {"softcap": 20.0}):
+        got = NumbaBackend(nm).attention(q, k, v, 3, 0.3, **extra)
+        assert np.array_equal(got.view(np.uint32), nm.attention(q, k, v, 3, 0.3, **extra).view(np.uint32))
 
 
 # -- the per-token glue ---------------------------------------------------------------------------------------------

@@ -181,30 +181,19 @@ def test_real_layer_weights(name):
     assert seen, "no weight of these layers has an integer kernel"
 
 
-def _replayed_attention(self, q, k, v, start, scale, window=None, softcap=None):
-    """The numerics' own attention (ggml's kernels replayed): `glue_ggml.attention`, which the numba backend
-    runs in decode, keeps ggml's rounding points but not its kernels' summation order (Gemma 3's global
-    layers differ in the last bits), so the products are compared with the attention held equal."""
-    extra = {"window": window} if window is not None else {}
-    if softcap:
-        extra["softcap"] = softcap
-    return self.numerics.attention(q, k, v, start, scale, **extra)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["smollm2", "gemma3"])
-def test_forward_equals_numpy_llamacpp(name, monkeypatch):
-    """The numba backend in the llamacpp numerics (integer kernels for every product of these files,
-    compiled RoPE / SiLU) against the NumPy backend's replay: logits of a 10-token prompt and of 3 decode
+@pytest.mark.parametrize("mode", ["llamacpp", "llamacpp-avx2"])
+def test_forward_equals_numpy_llamacpp(name, mode):
+    """The numba backend in the llamacpp numerics (integer kernels for every product of these files, compiled
+    RoPE, SiLU and attention) against the NumPy backend's replay: logits of a 10-token prompt and of 3 decode
     steps, bit for bit."""
     import ggufpy
-    from ggufpy.kernels.backend import NumbaBackend
     from tests.models import MODELS
 
-    monkeypatch.setattr(NumbaBackend, "attention", _replayed_attention)
     path = MODELS[name]()
-    fast = ggufpy.load(path, backend="numba", numerics="llamacpp", tokenizer=False, threads=2)
-    ref = ggufpy.load(path, backend="numpy", numerics="llamacpp", tokenizer=False)
+    fast = ggufpy.load(path, backend="numba", numerics=mode, tokenizer=False, threads=2)
+    ref = ggufpy.load(path, backend="numpy", numerics=mode, tokenizer=False)
     tokens = np.array([2, 504, 3458, 314, 253, 1345, 30, 198, 200, 17, 99, 1000, 7], np.int64)
     caches = fast.new_cache(capacity=16), ref.new_cache(capacity=16)
     got, want = (m.forward(tokens[:10], 0, c) for m, c in zip((fast, ref), caches, strict=True))

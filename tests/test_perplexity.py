@@ -207,11 +207,10 @@ def _golden(name: str) -> dict:
 # far more than 1 %).
 PPL_GAP = 1e-2
 # The llamacpp numerics of the build that recorded the goldens (their system_info: AVX2, "llamacpp-avx2") give
-# llama.cpp's logits bit for bit. The goldens' NLLs were computed from them with NumPy's float32 exp and in float64
-# throughout (conformance/record_perplexity.py `llamacpp_nll`), ggufpy's as perplexity.cpp computes them (the C
-# library's expf, `l[tok] - max` rounded to f32): measured, NLLs 2.3e-7 apart at most, PPL 8e-10 (SmolLM2) and 3e-9
-# relative. The earlier 0.35 % gap was the AVX-512 replay run against an AVX2 recording (test_numerics_builds.py).
-PPL_SAME = 1e-8
+# llama.cpp's logits bit for bit, and both sides compute the NLLs as perplexity.cpp does (the C library's expf, a
+# double sum, `l[tok] - max` rounded to f32; conformance/record_perplexity.py `llamacpp_nll` is an independent
+# transcription): what is left is the order of the double sums (perplexity.cpp's threads, NumPy's pairwise sum).
+PPL_SAME = 1e-12
 
 
 @pytest.mark.slow  # the NumPy replay of llama.cpp's kernels: minutes on two busy cores
@@ -303,3 +302,21 @@ def test_numerics_host_is_the_llamacpp_build_this_cpu_runs(command):
 
     assert build_parser().parse_args([command, "--numerics", "host"]).numerics == "host"
     assert resolve_numerics("host") == host_llamacpp_mode() and resolve_numerics("exact") == "exact"
+
+
+@pytest.mark.slow  # compiles the llamacpp numerics' kernels (integer products, ggml's attention) when cold
+def test_cli_default_prints_llamacpps_perplexity(capsys):
+    """`ggufpy perplexity` with no numerics flag scores in this CPU's llama.cpp numerics on the default
+    (numba) backend: its final estimate is llama.cpp's own, as llama-perplexity prints it, on the golden's
+    chunks (the golden was recorded on an AVX2 build, so this holds where the host replays that build)."""
+    from ggufpy.cli import build_parser, main
+    from ggufpy.numerics import host_llamacpp_mode, llamacpp_mode
+
+    g = _golden("smollm2")
+    if host_llamacpp_mode() != llamacpp_mode(g["llama_cpp"]["system_info"]):
+        pytest.skip(f"this CPU runs {host_llamacpp_mode()}, the golden is {g['llama_cpp']['system_info']!r}")
+    argv = ["perplexity", "-c", str(g["n_ctx"]), "--chunks", str(g["n_chunks"])]
+    assert build_parser().parse_args(argv).numerics == "host"
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"Final estimate: PPL = {g['ppl']:.4f} +/- " in out

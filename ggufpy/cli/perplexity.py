@@ -6,10 +6,11 @@ base model's log-probabilities in llama.cpp's `--kl-divergence-base` format; `--
 model with such a file (written by ggufpy or by llama-perplexity) and prints llama.cpp's KL-divergence
 statistics.
 
-With `--numerics host` (the llamacpp numerics of the llama.cpp build this CPU runs: llamacpp-avx2, or llamacpp
-with AVX-512) the logits, hence PPL and every KLD statistic, are llama.cpp's on x86 (up to the order of double
-sums). The default, exact float32 numerics, was 4-9x faster at 512-token chunks (measured) and differs from
-llama.cpp by ~0.6-0.8 % in PPL: llama.cpp rounds every matmul input to 8 bits (docs/quantization.md, "Perplexity").
+The default numerics, `host`, are the llamacpp numerics of the llama.cpp build this CPU runs (llamacpp-avx2, or
+llamacpp with AVX-512): the logits, hence PPL and every KLD statistic, are llama.cpp's on x86 (up to the order of
+double sums), so the numbers compare with llama-perplexity's. `--numerics exact` scores the float32 model instead:
+~2x faster at 512-token chunks, and ~0.6-0.8 % away from llama.cpp's PPL, because llama.cpp rounds every matmul
+input to 8 bits (docs/quantization.md, "Perplexity").
 """
 
 from __future__ import annotations
@@ -31,9 +32,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--backend", default=None, help="numpy or numba (default: numba when installed)")
     p.add_argument(
         "--numerics",
-        default="exact",
+        default="host",
         choices=(*NUMERICS_MODES, "host"),
-        help="numerics mode (default exact; host: this CPU's llama.cpp build, for llama.cpp's own numbers)",
+        help="numerics mode (default host: this CPU's llama.cpp build, for llama.cpp's own numbers; exact: float32)",
     )
     group = p.add_mutually_exclusive_group()
     group.add_argument("--save-logits", metavar="FILE", help="save log-probabilities (llama.cpp's KL base format)")

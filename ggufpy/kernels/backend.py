@@ -14,6 +14,7 @@ dequantized in tiles and multiplied with BLAS (with f16/bf16-rounded activations
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Iterable
@@ -24,10 +25,10 @@ import numpy as np
 
 from .. import ops
 from ..constants import GGMLType
-from ..numerics import NUMERICS, Numerics, attention_ggml, rope_ggml
+from ..numerics import NUMERICS, Numerics, attention_x86, rope_ggml
 from ..weights import QuantTensor
 from . import activations as act
-from . import glue_ggml, int8dot
+from . import glue_ggml, int8dot, x86
 from . import ops as kernel_ops
 from ._numba import set_threads
 from .attention import attention as _attention
@@ -81,6 +82,12 @@ def linear_types(quantize_activations: bool) -> frozenset[GGMLType]:
 
 # -- issue 12: the formats computed from their blocks as stored (`rawblocks.py`, family "blocks") ----------------
 _LAYER_MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def _is_x86_attention(f) -> bool:
+    """Whether a numerics record's attention is the replay of ggml's x86 kernels (`numerics.attention_x86`, for
+    either build), which `x86.attention` computes bit for bit."""
+    return getattr(f, "func", f) is attention_x86
 
 
 def _has_block_types(w) -> bool:
@@ -326,21 +333,16 @@ class NumbaBackend:
         """The numerics' attention (`ops.attention` contract): a numba kernel when the numerics use the
         plain f32 `ops.attention`, otherwise the numerics' own function (e.g. llama.cpp's f16 roundings);
         NumPy's during a BLAS prefill, to keep numba's threads idle while BLAS runs."""
-        if self.numerics.attention is not ops.attention or self._use_blas(q.shape[0]):
+        nm = self.numerics
+        threads = self._threads_for(q.shape[0] * q.shape[1] * k.shape[0] * q.shape[2])
+        if nm.x86_kernels and not softcap and _is_x86_attention(nm.attention):
+            # ggml's attention kernels replayed and compiled: bit-identical to the numerics' NumPy replay
+            return x86.attention(q, k, v, start, scale, window, isa=nm.x86_isa, threads=threads)
+        if nm.attention is not ops.attention or self._use_blas(q.shape[0]):
             extra = {"window": window} if window is not None else {}
             if softcap:
                 extra["softcap"] = softcap
-            attention = self.numerics.attention
-            if attention is NUMERICS["llamacpp"].attention:
-                # the replay of ggml's x86 attention kernels is slow NumPy and only pays off next to the
-                # replayed matmuls of the NumPy backend (these kernels sum in their own order anyway): its
-                # rounding points instead, compiled for decode, NumPy's during a BLAS prefill
-                if not self._use_blas(q.shape[0]):
-                    threads = self._threads_for(q.shape[0] * q.shape[1] * k.shape[0] * q.shape[2])
-                    return glue_ggml.attention(q, k, v, start, scale, window, softcap, threads=threads)
-                attention = attention_ggml
-            return attention(q, k, v, start, scale, **extra)
-        threads = self._threads_for(q.shape[0] * q.shape[1] * k.shape[0] * q.shape[2])
+            return nm.attention(q, k, v, start, scale, **extra)
         return _attention(q, k, v, start, scale, window, softcap, threads=threads)
 
     def decode_block(self, config, w, i: int, h: np.ndarray, pos: int, cos, sin, cache) -> np.ndarray | None:
@@ -363,6 +365,7 @@ class NumbaBackend:
         ops.gelu_tanh: kernel_ops.gelu_tanh,
         rope_ggml: glue_ggml.rope_ggml,  # bit-identical to the NumPy functions of the llamacpp numerics
         NUMERICS["llamacpp"].activations["silu"]: glue_ggml.silu_rows,
+        NUMERICS["llamacpp-avx2"].activations["silu"]: functools.partial(x86.silu_rows, isa="avx2"),
     }
 
     # -- weights -------------------------------------------------------------------------------------------

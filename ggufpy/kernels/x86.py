@@ -1,0 +1,279 @@
+"""The NumPy replays of llama.cpp's x86 attention and SiLU (`quants/x86/`), compiled: bit for bit the same.
+
+`quants.x86.attention.attention` and `quants.x86.unary.silu_rows` emulate each f32 FMA in float64 and cost
+seconds per prefill; they made the llamacpp numerics (`--numerics host`) 4-9x slower than the exact ones at
+512-token chunks. Here each is one compiled call. Nothing is approximated: the FMAs are LLVM's exact
+`llvm.fma.f32` (`_numba.fma_f32`), the F16 products are exact in f32 (two 11-bit significands), so a lane's
+`acc + w * a` is the same single rounding as ggml's FMA, and every lane, horizontal sum and double sum is
+kept in ggml's order. No fastmath anywhere (a contracted or reassociated step would change bits).
+
+    attention(q, k, v, start, scale, window, isa)  == quants.x86.attention.attention (no softcap, no sinks)
+    silu_rows(x, isa)                              == quants.x86.unary.silu_rows
+
+Each (query, head) is one task of a parallel loop; a task computes its outputs serially in ggml's order, so
+the result does not depend on the thread count.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..quants.x86.attention import n_kv_cells
+from ._numba import fma_f32, get_threads, half_to_float, jit, prange, use_threads
+from .glue_ggml import _libm_expf, round_f16, round_f16_array, v_expf
+
+__all__ = ["ISA_LANES", "attention", "silu_rows", "v_expf_256"]
+
+_f32 = np.float32
+ISA_LANES = {"avx512": 16, "avx2": 8}  # f32 lanes of one vector register, by x86 build (`quants.x86.simd.ISAS`)
+
+# -- ggml_v_expf, AVX2 + FMA branch (vec.h), one lane: `quants.x86.unary.v_expf_256` --------------------------------
+
+_EXP_SHIFT = _f32(float.fromhex("0x1.8p23"))
+_LOG2E = _f32(float.fromhex("0x1.715476p+0"))
+_LN2_HI = _f32(float.fromhex("0x1.62e4p-1"))
+_LN2_LO = _f32(float.fromhex("0x1.7f7d1cp-20"))
+_C1 = _f32(float.fromhex("0x1.ffffecp-1"))
+_C2 = _f32(float.fromhex("0x1.fffdb6p-2"))
+_C3 = _f32(float.fromhex("0x1.555e66p-3"))
+_C4 = _f32(float.fromhex("0x1.573e2ep-5"))
+_C5 = _f32(float.fromhex("0x1.0e4020p-7"))
+_ONE_BITS = 0x3F800000
+_MASK32 = 0xFFFFFFFF
+
+
+@jit(inline=True)
+def _bits(x):
+    return np.int64(np.float32(x).view(np.uint32))
+
+
+@jit(inline=True)
+def _from_bits(u):
+    return np.uint32(u & _MASK32).view(np.float32)
+
+
+@jit(inline=True)
+def v_expf_256(x):
+    """ggml_v_expf(__m256) on one lane; the integer lanes wrap at 32 bits as in the C code."""
+    z = fma_f32(x, _LOG2E, _EXP_SHIFT)
+    n = z - _EXP_SHIFT
+    b = fma_f32(-n, _LN2_LO, fma_f32(-n, _LN2_HI, x))
+    e = (_bits(z) << 23) & _MASK32  # _mm256_slli_epi32(castps_si256(z), 23)
+    k = _from_bits(e + _ONE_BITS)
+    an = abs(n)
+    u = b * b
+    j = fma_f32(fma_f32(fma_f32(_C5, b, _C4), u, fma_f32(_C3, b, _C2)), u, _C1 * b)
+    g = 0x82000000 if n <= 0 else 0
+    s1 = _from_bits(g + 0x7F000000)
+    s2 = _from_bits(e - g)
+    out = fma_f32(s2, j, s2) * s1 if an > 126 else fma_f32(k, j, k)
+    return s1 * s1 if an > 192 else out
+
+
+@jit(inline=True)
+def _v_expf(x, wide):
+    """The build's ggml_v_expf: AVX-512's (`glue_ggml.v_expf`) when `wide`, else AVX2's."""
+    return v_expf(x) if wide else v_expf_256(x)
+
+
+# -- SiLU (vec.cpp ggml_vec_swiglu_f32 / ggml_vec_silu_f32) ------------------------------------------------------
+
+
+@jit
+def _silu_rows(x, lanes, out):
+    rows, n = x.shape
+    body = n - n % lanes
+    one = np.float32(1.0)
+    wide = lanes == 16
+    for r in range(rows):
+        for i in range(body):  # ggml_v_silu: x / (1 + ggml_v_expf(0 - x))
+            v = x[r, i]
+            out[r, i] = v / (one + _v_expf(np.float32(0.0) - v, wide))
+        for i in range(body, n):  # the scalar tail, ggml_silu_f32 with the C library's expf
+            v = x[r, i]
+            out[r, i] = v / (one + _libm_expf(-v))
+
+
+def silu_rows(x: np.ndarray, isa: str = "avx512") -> np.ndarray:
+    """`quants.x86.unary.silu_rows(x, isa)`, compiled: SiLU of f32 rows (..., n)."""
+    x = np.asarray(x, np.float32)
+    n = x.shape[-1]
+    x2 = x.reshape(-1, n) if x.ndim != 2 else x
+    out = np.empty(x2.shape, np.float32)
+    _silu_rows(x2, ISA_LANES[isa], out)
+    return out.reshape(x.shape)
+
+
+# -- the F16 dot products of the two attention mul_mats (`quants.x86.floats`, exact products) --------------------
+#
+# One output of an F16 mul_mat keeps one f32 accumulator per lane: tinyBLAS<lanes> one register (acc_i over the
+# elements i, i + lanes, ...), `ggml_vec_dot_f16` four (4 * lanes accumulators over steps of 4 * lanes). Here
+# the accumulators of many outputs are updated together, `acc[i, j] += w[l + i, j] * a[l + i]` with the outputs j
+# innermost: each accumulator still sees its own sequence of roundings, and the loop over j vectorizes without
+# reassociating anything. The products of two f16 values are exact in f32, so each add is ggml's FMA.
+
+
+@jit(inline=True)
+def _hsum(x, lanes):
+    """`hsum_float_8` (AVX2) or `_mm512_reduce_add_ps` (AVX-512) of x[:lanes]."""
+    if lanes == 8:
+        return ((x[4] + x[0]) + (x[6] + x[2])) + ((x[5] + x[1]) + (x[7] + x[3]))
+    u0 = (x[12] + x[4]) + (x[8] + x[0])
+    u1 = (x[13] + x[5]) + (x[9] + x[1])
+    u2 = (x[14] + x[6]) + (x[10] + x[2])
+    u3 = (x[15] + x[7]) + (x[11] + x[3])
+    return (u0 + u2) + (u1 + u3)
+
+
+@jit(inline=True)
+def _accumulate(wt, a, n, width, acc, lo, hi):
+    """acc[i, j] = sum over l = 0, width, 2 width, ... < n of wt[l + i, j] * a[l + i], in order of l, where
+    a[l] = 0 outside lo <= l < hi: those steps add +-0 to accumulators that are never -0, and are skipped."""
+    acc[:width] = 0.0
+    for l in range(lo - lo % width, min(n, hi), width):
+        for i in range(width):
+            ai = a[l + i]
+            for j in range(acc.shape[1]):
+                acc[i, j] += wt[l + i, j] * ai
+
+
+@jit(inline=True)
+def _hsum_into(acc, lanes, out):
+    """out[j] = tinyBLAS's `hsum` of acc[:lanes, j]: `hsum_float_8` (AVX2) or `_mm512_reduce_add_ps`."""
+    for j in range(out.size):
+        if lanes == 8:
+            out[j] = ((acc[4, j] + acc[0, j]) + (acc[6, j] + acc[2, j])) + (
+                (acc[5, j] + acc[1, j]) + (acc[7, j] + acc[3, j])
+            )
+        else:
+            u0 = (acc[12, j] + acc[4, j]) + (acc[8, j] + acc[0, j])
+            u1 = (acc[13, j] + acc[5, j]) + (acc[9, j] + acc[1, j])
+            u2 = (acc[14, j] + acc[6, j]) + (acc[10, j] + acc[2, j])
+            u3 = (acc[15, j] + acc[7, j]) + (acc[11, j] + acc[3, j])
+            out[j] = (u0 + u2) + (u1 + u3)
+
+
+@jit(inline=True)
+def _vec_dot_into(wt, a, n, lanes, acc, out, lo, hi):
+    """out[j] = `ggml_vec_dot_f16` of column j of wt (n, J) with a (n,): four registers over steps of 4 * lanes,
+    (r0 + r2) + (r1 + r3), the reduce (`hadd_reduce_8` on AVX2), then the n % (4 * lanes) leftovers in double."""
+    step = 4 * lanes
+    main = n - n % step
+    _accumulate(wt, a, main, step, acc, lo, hi)
+    for i in range(lanes):
+        for j in range(out.size):
+            acc[i, j] = (acc[i, j] + acc[2 * lanes + i, j]) + (acc[lanes + i, j] + acc[3 * lanes + i, j])
+    if lanes == 8:
+        for j in range(out.size):
+            out[j] = ((acc[0, j] + acc[4, j]) + (acc[1, j] + acc[5, j])) + (
+                (acc[2, j] + acc[6, j]) + (acc[3, j] + acc[7, j])
+            )
+    else:
+        _hsum_into(acc, lanes, out)
+    if main < n:
+        for j in range(out.size):
+            s = np.float64(out[j])
+            for l in range(main, n):
+                s += np.float64(wt[l, j] * a[l])
+            out[j] = np.float32(s)
+
+
+@jit(inline=True)
+def _f16_products(wt, a, n, lanes, tinyblas, acc, out, lo, hi):
+    """out[j] = the F16 mul_mat's output j for the f16 rows wt[:, j] (n values down the column) and a (n,),
+    whose values outside lo <= l < hi are 0."""
+    if tinyblas:
+        _accumulate(wt, a, n, lanes, acc, lo, hi)
+        _hsum_into(acc, lanes, out)
+    else:
+        _vec_dot_into(wt, a, n, lanes, acc, out, lo, hi)
+
+
+# -- attention (`quants.x86.attention`: mul_mat, soft_max_ext, mul_mat) --------------------------------------------
+
+_KEYS = 256  # outputs of the KQ product computed together: accumulators (4 * lanes, 256) stay in L1/L2
+
+
+@jit(parallel=True)
+def _attention(q16, kt, vc, start, S, scale, window, lanes, nt, out):
+    """q16 (T, H, E), kt (G, E, n_kv), vc (G, n_kv, E): f32 holding f16 values (zeros past S); out (T, H, E)."""
+    T, H, E = q16.shape
+    G, n_kv, _ = vc.shape
+    r = H // G
+    wide = lanes == 16
+    tb_kq = T >= 2 and E % lanes == 0  # tinyBLAS takes the product (`float_matmul`); n_kv % 4 == 0 always
+    tb_kqv = T >= 2 and n_kv % lanes == 0 and E % 4 == 0
+    previous = use_threads(nt)
+    for task in prange(T * H):
+        t = task // H
+        h = task % H
+        g = h // r
+        p = start + t
+        acc = np.empty((4 * lanes, max(_KEYS, E)), np.float32)
+        w = np.empty(n_kv, np.float32)
+        lo = max(0, p - window + 1) if window > 0 else 0  # the keys this query sees: lo <= j < hi
+        hi = min(p + 1, S)
+        for j0 in range(lo - lo % _KEYS, hi, _KEYS):  # kq = mul_mat(K, fp16(q)), a block of keys at a time
+            kq = w[j0 : j0 + _KEYS]
+            _f16_products(kt[g, :, j0 : j0 + _KEYS], q16[t, h], E, lanes, tb_kq, acc[:, :_KEYS], kq, 0, E)
+        mx = np.float32(-np.inf)
+        for j in range(n_kv):
+            w[j] = w[j] * scale if lo <= j < hi else -np.inf  # ggml_vec_scale_f32, then + mask (0 or -inf)
+            mx = max(mx, w[j])
+        total = np.float64(0.0)
+        e8 = acc[:, 0]
+        for b0 in range(0, n_kv, lanes):  # ggml_vec_soft_max_f32: a block's exps, its hsum, the double sum
+            for i in range(lanes):
+                w[b0 + i] = _v_expf(w[b0 + i] - mx, wide)
+                e8[i] = w[b0 + i]
+            total += np.float64(_hsum(e8, lanes))
+        inv = np.float32(1.0 / total)
+        for j in range(n_kv):
+            w[j] = round_f16(w[j] * inv)  # kq_soft_max, converted to F16's vec_dot type
+        _f16_products(vc[g], w, n_kv, lanes, tb_kqv, acc[:, :E], out[t, h], lo, hi)  # kqv = mul_mat(V^T, fp16(p))
+    use_threads(previous)
+
+
+@jit
+def _cache_layout(k, v, f16_bits, kt, vc):
+    """kt[g, e, j] = K[j, g, e] and vc[g, j, e] = V[j, g, e] as f16 values in f32, from an f16 cache (u16 bits)
+    or from f32 keys and values rounded to f16 as the cache stores them."""
+    S, G, E = k.shape
+    for j in range(S):
+        for g in range(G):
+            for e in range(E):
+                if f16_bits:
+                    kt[g, e, j] = half_to_float(k[j, g, e])
+                    vc[g, j, e] = half_to_float(v[j, g, e])
+                else:
+                    kt[g, e, j] = round_f16(k[j, g, e])
+                    vc[g, j, e] = round_f16(v[j, g, e])
+
+
+def attention(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    start: int,
+    scale: float,
+    window: int | None = None,
+    isa: str = "avx512",
+    threads: int | None = None,
+) -> np.ndarray:
+    """`quants.x86.attention.attention(q, k, v, start, scale, window, isa=isa)`, compiled (no softcap or sinks:
+    those stay with the NumPy replay). q (T, H, E) f32, k, v (S, G, E); returns (T, H*E) f32."""
+    T, H, E = q.shape
+    S, G, _ = k.shape
+    if v.shape != k.shape or H % G or S < start + T:
+        raise ValueError(f"q {q.shape}, k {k.shape}, v {v.shape} at start {start}: not an attention of the cache")
+    n_kv = n_kv_cells(S)
+    q16 = round_f16_array(q)  # mul_mat converts the queries to F16's vec_dot type
+    kt = np.zeros((G, E, n_kv), np.float32)  # the K cache, zeros past S, each group's keys as columns
+    vc = np.zeros((G, n_kv, E), np.float32)  # the V cache, whose columns are the rows of ggml's V^T
+    f16 = k.dtype == np.float16 and v.dtype == np.float16
+    k, v = (a.view(np.uint16) if f16 else np.asarray(a, np.float32) for a in (k, v))
+    _cache_layout(k, v, f16, kt, vc)
+    out = np.empty((T, H, E), np.float32)
+    nt = get_threads() if threads is None else threads
+    _attention(q16, kt, vc, start, S, np.float32(scale), window or 0, ISA_LANES[isa], nt, out)
+    return out.reshape(T, H * E)

@@ -1,0 +1,102 @@
+"""The compiled replays of llama.cpp's x86 attention and SiLU (`ggufpy.kernels.x86`) against the NumPy replays
+they compile (`ggufpy.quants.x86`, themselves bit for bit with llama.cpp: tests/test_x86_*.py): equal bit for
+bit on both builds, every kernel path (tinyBLAS and vec_dot, their leftovers, windows, GQA, an f16 cache), and
+the numba backend's llamacpp numerics running them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ggufpy import kernels
+from ggufpy.numerics import NUMERICS
+from ggufpy.quants.x86 import attention as replay
+from ggufpy.quants.x86.unary import silu_rows as silu_replay
+
+pytestmark = pytest.mark.skipif(not kernels.AVAILABLE, reason=f"numba unavailable: {kernels.IMPORT_ERROR}")
+
+if kernels.AVAILABLE:
+    from ggufpy.kernels import x86
+    from ggufpy.kernels._numba import DISABLED
+    from ggufpy.kernels.backend import NumbaBackend
+else:
+    DISABLED = True
+
+SETTINGS = settings(max_examples=4 if DISABLED else 30, deadline=None, suppress_health_check=list(HealthCheck))
+ISAS = ["avx2", "avx512"]
+
+
+def assert_bitwise(got: np.ndarray, want: np.ndarray) -> None:
+    assert got.shape == want.shape and got.dtype == want.dtype
+    differ = got.view(np.uint32) != want.view(np.uint32)
+    assert not differ.any(), f"{differ.sum()} of {differ.size} differ, max |diff| {np.abs(got - want).max()}"
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@SETTINGS
+@given(
+    seed=st.integers(0, 2**32 - 1), n=st.sampled_from([1, 7, 8, 16, 23, 64, 576]), scale=st.sampled_from([1, 10, 60])
+)
+def test_silu_rows_is_the_replay(isa, seed, n, scale):
+    x = (np.random.default_rng(seed).standard_normal((3, n)) * scale).astype(np.float32)
+    assert_bitwise(x86.silu_rows(x, isa), silu_replay(x, isa))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_silu_rows_special_values(isa):
+    x = np.array(
+        [[np.inf, -np.inf, np.nan, 0.0, -0.0, 88.8, -88.8, -104.0, 1e-40, -1e-40, 3e38, -3e38] * 3], np.float32
+    )
+    with np.errstate(all="ignore"):
+        got, want = x86.silu_rows(x, isa), silu_replay(x, isa)
+    assert np.array_equal(np.isnan(got), np.isnan(want))
+    assert_bitwise(np.nan_to_num(got), np.nan_to_num(want))
+
+
+# (T, S, H, G, E, window): decode (vec_dot) and prefill (tinyBLAS); E not a multiple of the lanes (tinyBLAS
+# declines, vec_dot's leftovers in double); S past 256 and 512 (n_kv padding), GQA and MHA, a sliding window.
+SHAPES = [
+    (1, 37, 4, 2, 64, None),
+    (1, 600, 4, 1, 40, 50),
+    (1, 300, 2, 2, 72, None),
+    (2, 2, 2, 1, 8, None),
+    (7, 300, 6, 2, 64, None),
+    (16, 16, 9, 3, 48, None),
+    (5, 600, 4, 4, 256, 100),
+    (3, 20, 2, 1, 72, None),
+    (4, 520, 2, 1, 24, None),
+]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("shape", SHAPES if not DISABLED else SHAPES[:2], ids=str)
+@pytest.mark.parametrize("f16_cache", [False, True])
+def test_attention_is_the_replay(isa, shape, f16_cache):
+    T, S, H, G, E, window = shape
+    rng = np.random.default_rng(S * 31 + T)
+    q = (rng.standard_normal((T, H, E)) * 2).astype(np.float32)
+    k, v = ((rng.standard_normal((S, G, E)) * 2).astype(np.float32) for _ in range(2))
+    if f16_cache:  # llama.cpp numerics' KV cache holds f16: read as stored
+        k, v = k.astype(np.float16), v.astype(np.float16)
+    scale = np.float32(1) / np.sqrt(np.float32(E))
+    want = replay.attention(q, k, v, S - T, scale, window, isa=isa)
+    for threads in (1, 2):
+        assert_bitwise(x86.attention(q, k, v, S - T, scale, window, isa=isa, threads=threads), want)
+
+
+@pytest.mark.parametrize("mode", ["llamacpp", "llamacpp-avx2"])
+@pytest.mark.parametrize("T", [1, 5])
+def test_backend_runs_the_compiled_replay(mode, T):
+    """The numba backend's attention and SiLU in the llamacpp numerics are the numerics' own, bit for bit."""
+    rng = np.random.default_rng(T)
+    q = rng.standard_normal((T, 6, 32)).astype(np.float32)
+    k, v = (rng.standard_normal((9, 2, 32)).astype(np.float16) for _ in range(2))
+    nm = NUMERICS[mode]
+    backend = NumbaBackend(nm)
+    assert_bitwise(backend.attention(q, k, v, 9 - T, 0.25, window=4), nm.attention(q, k, v, 9 - T, 0.25, window=4))
+    silu = nm.activations["silu"]
+    x = rng.standard_normal((T, 100)).astype(np.float32) * 8
+    assert_bitwise(backend.compiled[silu](x), silu(x))
