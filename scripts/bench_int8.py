@@ -1,9 +1,10 @@
 """The numerics side by side with llama.cpp, in one process, alternating rounds: numba in the exact numerics
-(f32 kernels), numba in the llamacpp numerics with the integer dot products (`kernels/int8dot.py`) and without
-them (the f32-lane kernels on int8 activations), and llama.cpp (llama-cpp-python, `Llama.eval`).
+(f32 kernels), numba in the llamacpp numerics with the integer dot products (`kernels/int8dot.py`; `-rows`: Q4_0
+and Q4_K read as the GGUF rows, not in eight-row groups) and without them (the f32-lane kernels on int8
+activations), and llama.cpp (llama-cpp-python, `Llama.eval`).
 
     python scripts/bench_int8.py [-m FILE ...] [--rounds 3] [--prompt-tokens 128] [--gen-tokens 32] [--threads 2]
-                                 [--engines exact llamacpp llamacpp-f32 llama.cpp] [--micro]
+                                 [--engines exact llamacpp llamacpp-rows llamacpp-f32 llama.cpp] [--micro]
 
 Default models: SmolLM2 Q4_1 (packaged) and Gemma 3 270M. Each engine is loaded once (weights prepared up front)
 and warmed up; then every round times each engine in turn (prefill of the prompt, then single-token decode
@@ -15,6 +16,7 @@ decode matvec times (one process, alternating, best of N) of the f32-lane and in
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import time
 from pathlib import Path
@@ -23,7 +25,7 @@ import numpy as np
 
 from ggufpy.kernels import bench
 
-ENGINES = ("exact", "llamacpp", "llamacpp-f32", "llama.cpp")
+ENGINES = ("exact", "llamacpp", "llamacpp-rows", "llamacpp-f32", "llama.cpp")
 
 
 def load_average() -> str:
@@ -31,8 +33,16 @@ def load_average() -> str:
 
 
 def _ggufpy(path: Path, engine: str, threads: int):
+    from ggufpy.kernels import int8dot
+
     numerics = "exact" if engine == "exact" else "llamacpp"
-    model = bench.load_model(path, "numba", threads=threads, numerics=numerics, int8=engine != "llamacpp-f32")
+    weight = int8dot.weight
+    if engine == "llamacpp-rows":  # the integer kernels on the GGUF rows as stored: no eight-row groups
+        int8dot.weight = functools.partial(weight, interleave=False)
+    try:  # every weight is prepared here (`bench.load_model`), so the patch covers them all
+        model = bench.load_model(path, "numba", threads=threads, numerics=numerics, int8=engine != "llamacpp-f32")
+    finally:
+        int8dot.weight = weight
     return lambda prompt, n: bench.time_ggufpy(model, prompt, n)
 
 

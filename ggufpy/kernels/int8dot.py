@@ -6,8 +6,12 @@
 llama.cpp never multiplies quantized weights by f32 activations: each activation row is quantized to the
 weight's vec_dot type (Q8_0, Q8_1 or Q8_K) and the block dots are integer (`vpmaddubsw`, `vpmaddwd`), then
 scaled per block in f32. The kernels here do the same (`int8ir.py`: AVX2 IR, one weight row . one activation
-row per call) over the GGUF rows as stored: no repacking, 1.0x the file, each weight byte read once per call,
-and 32 multiply-adds per instruction instead of unpacking every weight to f32. Since the integer sums are
+row per call) over the GGUF rows as stored, each weight byte read once per call, and 32 multiply-adds per
+instruction instead of unpacking every weight to f32. Q4_0 and Q4_K (out % 8 == 0) are the exception: they are
+copied into groups of eight rows that stream as one (`interleaved`, as ggml repacks them), and the file's pages
+are released after the copy, so they too are resident once (1.0x). Measured at 1B on one thread, decode was
+1.7x (Q4_0) and 2x (Q4_K_M) the GGUF-row kernels: eight short row streams (1152 bytes each at dim 2048) starve
+the hardware prefetcher, one long stream does not (docs/performance.md). Since the integer sums are
 exact and the f32 steps follow the ggml kernel that `ggufpy.quants.x86` replays for the type and shape
 (`ggufpy.quants.x86.kernel_for`), the result equals the NumPy backend's llamacpp numerics bit for bit, for
 every T (decode and prefill):
@@ -34,8 +38,9 @@ from ..constants import GGMLType
 from ..weights import QuantTensor
 from ._numba import DISABLED, get_threads, jit, prange, use_threads
 from .activations import f16_bits_to_f32, f32_to_f16_bits
+from .layout import release_pages
 
-__all__ = ["AVAILABLE", "INT8_TYPES", "Activations", "Int8Weight", "linear", "quantize", "weight"]
+__all__ = ["AVAILABLE", "INT8_TYPES", "Activations", "Int8Weight", "interleaved", "linear", "quantize", "weight"]
 
 Q8_0, Q8_1, Q8_K = "Q8_0", "Q8_1", "Q8_K"  # activation formats (ggml vec_dot types)
 
@@ -162,6 +167,7 @@ if AVAILABLE:
     from . import int8ir, int8ir_x8
 
     _Q4_0_BLOCK8 = int8ir_x8.q4_0_dot8()
+    _Q4_0_X8 = int8ir_x8.q4_0x8_dot()
     _Q4_0_LANES = int8ir.q0_dot("q4_0", lanes=True)
     _Q5_0 = int8ir.q0_dot("q5_0", lanes=True)
     _Q8_0 = int8ir.q0_dot("q8_0", lanes=True)
@@ -169,6 +175,8 @@ if AVAILABLE:
     _Q5_1 = int8ir.q0_dot("q5_1", lanes=True)
     _Q4_K_GEMV8 = int8ir_x8.q4_k_dot8()
     _Q4_K_GEMM = int8ir.q4_k_dot(64)
+    _Q4_K_GEMV8_X8 = int8ir_x8.q4_k_dot8(grouped=True)
+    _Q4_K_GEMM_X8 = int8ir.q4_k_dot(64, grouped=True)
     _Q6_K_LANES = int8ir.q6_k_dot(lanes=True)
     _Q6_K_TILED = int8ir.q6_k_dot(lanes=False)
 
@@ -180,6 +188,15 @@ if AVAILABLE:
         for r8 in prange(w.shape[0] // 8):
             for t in range(aq.shape[0]):
                 _Q4_0_BLOCK8(w, 8 * r8, aq, t, ad, s, asum, nb, out)
+        use_threads(previous)
+
+    @jit(parallel=True)
+    def _mv_q4_0x8(nt, w, aq, ad, s, asum, out):
+        previous = use_threads(nt)
+        nb = aq.shape[1] // 32
+        for g in prange(w.shape[0]):
+            for t in range(aq.shape[0]):
+                _Q4_0_X8(w, g, aq, t, ad, s, asum, nb, out)
         use_threads(previous)
 
     @jit(parallel=True)
@@ -243,6 +260,21 @@ if AVAILABLE:
         use_threads(previous)
 
     @jit(parallel=True)
+    def _mv_q4_kx8(nt, w, aq, ad, bsums, out):
+        """`_mv_q4_k` over eight-row groups (`interleaved`)."""
+        previous = use_threads(nt)
+        T = aq.shape[0]
+        nb = aq.shape[1] // 256
+        n_gemm = T - T % 4
+        for g in prange(w.shape[0]):
+            for t in range(n_gemm):
+                for r in range(8 * g, 8 * g + 8):
+                    out[t, r] = _Q4_K_GEMM_X8(w, r, aq, t, ad, bsums, nb)
+            for t in range(n_gemm, T):
+                _Q4_K_GEMV8_X8(w, 8 * g, aq, t, ad, bsums, nb, out)
+        use_threads(previous)
+
+    @jit(parallel=True)
     def _mv_q6_k(nt, w, aq, ad, bsums, out):
         """T < 8: vec_dot (8 f32 lanes); T >= 8: the tiled kernel (one f32 lane per output)."""
         previous = use_threads(nt)
@@ -265,6 +297,7 @@ if AVAILABLE:
         GGMLType.Q5_1: _mv_q5_1,
     }
     _K_KERNELS = {GGMLType.Q4_K: _mv_q4_k, GGMLType.Q6_K: _mv_q6_k}
+    _GROUPED = {GGMLType.Q4_0: _mv_q4_0x8, GGMLType.Q4_K: _mv_q4_kx8}  # the kernels of `interleaved` weights
 
 
 @dataclass(frozen=True, eq=False)
@@ -280,10 +313,11 @@ class Int8Weight:
     k_type: bool  # Q8_K activations: the kernel takes bsums, not s / asum
 
 
-def weight(w: QuantTensor) -> Int8Weight | None:
+def weight(w: QuantTensor, interleave: bool = True) -> Int8Weight | None:
     """The integer-kernel form of `w`, or None when it has none (type, shape, CPU): then the f32 kernels run.
     Q4_0 with out % 8 == 0 is repacked by llama.cpp (one lane per output); Q4_K with out % 8 != 0 runs a
-    vec_dot whose lanes are not written here."""
+    vec_dot whose lanes are not written here. `interleave`: copy Q4_0 and Q4_K into eight-row groups
+    (`interleaved`); False keeps the GGUF rows (the kernels before, for comparison: scripts/bench_int8.py)."""
     if not AVAILABLE or w.type not in INT8_TYPES or len(w.shape) != 2:
         return None
     rows, cols = w.shape
@@ -295,7 +329,30 @@ def weight(w: QuantTensor) -> Int8Weight | None:
     else:
         kernel = _Q0_KERNELS.get(w.type) or _K_KERNELS[w.type]
     raw = np.asarray(w.raw).reshape(-1).view(np.uint8).reshape(rows, cols // block * size)
-    return Int8Weight(w.type, rows, cols, fmt, raw, kernel, fmt == Q8_K)
+    iw = Int8Weight(w.type, rows, cols, fmt, raw, kernel, fmt == Q8_K)
+    return (interleave and interleaved(iw)) or iw
+
+
+def interleaved(iw: Int8Weight) -> Int8Weight | None:
+    """Q4_0 or Q4_K rows copied into groups of eight that stream as one (`int8ir_x8`: Q4_0's layout is drawn
+    there, Q4_K's is block b of the eight rows side by side), or None for other types and shapes. Same
+    products bit for bit; the file's pages are released after the copy (1.0x its bytes resident, not 2x)."""
+    if iw.type not in _GROUPED or iw.rows % 8 or iw.raw.shape[0] != iw.rows:
+        return None
+    word = np.dtype(np.uint16 if iw.type == GGMLType.Q4_0 else np.uint64)  # fewer, wider element copies
+    G, size = iw.rows // 8, INT8_TYPES[iw.type][1] // word.itemsize
+    nb = iw.raw.shape[1] // word.itemsize // size
+    blocks = iw.raw.view(word).reshape(G, 8, nb, size)  # (group, row in group, block, words)
+    out = np.empty((G, nb, 8 * size), word)
+    if iw.type == GGMLType.Q4_0:  # int8ir_x8's layout: 8 d, then the qs of rows (0, 4), (1, 5), (2, 6), (3, 7)
+        out[:, :, :8] = blocks[..., 0].transpose(0, 2, 1)
+        qs = blocks[..., 1:].reshape(G, 2, 4, nb, 8).transpose(0, 3, 2, 1, 4)  # (G, nb, 4, 2, 8)
+        out[:, :, 8:].reshape(G, nb, 4, 2, 8)[:] = qs
+    else:  # Q4_K: block b of rows 8g..8g+7 side by side
+        out.reshape(G, nb, 8, size)[:] = blocks.transpose(0, 2, 1, 3)
+    out = out.reshape(G, -1).view(np.uint8)
+    release_pages(iw.raw)
+    return Int8Weight(iw.type, iw.rows, iw.cols, iw.fmt, out, _GROUPED[iw.type], iw.k_type)
 
 
 def product(a: Activations, iw: Int8Weight, threads: int = 0, out: np.ndarray | None = None) -> np.ndarray:

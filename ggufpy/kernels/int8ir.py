@@ -263,11 +263,12 @@ def _k4_scales_mins(builder, blk):
     return sc, mn
 
 
-def q4_k_dot(piece: int):
+def q4_k_dot(piece: int, grouped: bool = False):
     """Intrinsic (w, r, aq, t, ad, bsums, nb) -> f32 for Q4_K weights (144-byte blocks) and Q8_K activations
     (ad f32 (T, nb) d, bsums int16 (T, nb*16)), as repack.py's `_kernel` with this `piece`: per `piece`
     elements (256: the gemv; 64: the gemm's `sb` iterations) I = sum sc_j * dot_j and M = sum m_j * bsum_j
-    (int32), acc = fma(float(I), fl(dw * da), acc), accm = fma(float(M), fl(dmin * da), accm); y = acc - accm."""
+    (int32), acc = fma(float(I), fl(dw * da), acc), accm = fma(float(M), fl(dmin * da), accm); y = acc - accm.
+    grouped: w is (rows / 8, nb * 1152), block b of eight rows side by side (`int8dot.interleaved`)."""
 
     @intrinsic
     def dot(typingctx, w, r, aq, t, ad, bsums, nb):
@@ -275,7 +276,13 @@ def q4_k_dot(piece: int):
 
         def codegen(context, builder, signature, args):
             w_, r_, aq_, t_, ad_, bs_, nb_ = args
-            wrow = _row(context, builder, signature.args[0], w_, r_)
+            if grouped:
+                eight = ir.Constant(I64, 8)
+                wrow = _row(context, builder, signature.args[0], w_, builder.sdiv(r_, eight))
+                wrow = builder.gep(wrow, [builder.mul(builder.srem(r_, eight), ir.Constant(I64, 144))])
+            else:
+                wrow = _row(context, builder, signature.args[0], w_, r_)
+            stride = ir.Constant(I64, 1152 if grouped else 144)
             arow = _row(context, builder, signature.args[2], aq_, t_)
             drow = _row(context, builder, signature.args[4], ad_, t_)
             bsrow = _row(context, builder, signature.args[5], bs_, t_)
@@ -283,7 +290,7 @@ def q4_k_dot(piece: int):
 
             def body(b, carried):
                 acc, accm = carried
-                blk = builder.gep(wrow, [builder.mul(b, ir.Constant(I64, 144))])
+                blk = builder.gep(wrow, [builder.mul(b, stride)])
                 ablk = builder.gep(arow, [builder.mul(b, ir.Constant(I64, 256))])
                 bsblk = builder.gep(bsrow, [builder.mul(b, ir.Constant(I64, 32))])
                 da = _load(builder, drow, builder.mul(b, ir.Constant(I64, 4)), F32)

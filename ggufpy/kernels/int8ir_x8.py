@@ -43,17 +43,22 @@ from .int8ir import (
     _splat,
 )
 
-__all__ = ["q4_0_dot8", "q4_k_dot8"]
+__all__ = ["Q4_0X8_BYTES", "q4_0_dot8", "q4_0x8_dot", "q4_k_dot8"]
+
+
+def _hadd(builder, a, b):
+    """`vphaddd` on <8 x i32>: [a0+a1, a2+a3, b0+b1, b2+b3 | a4+a5, a6+a7, b4+b5, b6+b7]."""
+    even = _shuffle(builder, a, b, [0, 2, 8, 10, 4, 6, 12, 14])
+    odd = _shuffle(builder, a, b, [1, 3, 9, 11, 5, 7, 13, 15])
+    return builder.add(even, odd)
 
 
 def _reduce8(builder, v: list):
     """8 vectors <8 x i32> -> <8 x i32> whose lane i is the sum of v[i]'s lanes (exact): a transpose by
     pairwise adds, as ggml's repacked kernels avoid per-row horizontal sums."""
 
-    def hadd(a, b):  # vphaddd: [a0+a1, a2+a3, b0+b1, b2+b3 | a4+a5, a6+a7, b4+b5, b6+b7]
-        even = _shuffle(builder, a, b, [0, 2, 8, 10, 4, 6, 12, 14])
-        odd = _shuffle(builder, a, b, [1, 3, 9, 11, 5, 7, 13, 15])
-        return builder.add(even, odd)
+    def hadd(a, b):
+        return _hadd(builder, a, b)
 
     h0, h1 = hadd(hadd(v[0], v[1]), hadd(v[2], v[3])), hadd(hadd(v[4], v[5]), hadd(v[6], v[7]))
     lo = _shuffle(builder, h0, h1, [0, 1, 2, 3, 8, 9, 10, 11])
@@ -129,6 +134,64 @@ def q4_0_dot8():
     return dot
 
 
+# One Q4_0 block of eight rows, interleaved (`int8dot.interleaved`; ggml's `block_q4_0x8` has the same idea):
+#
+#     bytes 0-15     d of rows 0..7 (fp16)
+#     bytes 16-47    qs of row 0 | qs of row 4      (16 bytes each: low nibbles = elements 0-15, high = 16-31)
+#     bytes 48-79    qs of row 1 | qs of row 5
+#     bytes 80-111   qs of row 2 | qs of row 6
+#     bytes 112-143  qs of row 3 | qs of row 7
+#
+# so that the eight rows stream as one, each 32-byte load holds two rows (no lane inserts), and three
+# `vphaddd` put the eight row sums in order.
+Q4_0X8_BYTES = 144
+
+
+def q4_0x8_dot():
+    """Intrinsic (w, g, aq, t, ad, s, asum, nb, out): out[t, 8g:8g+8] for the interleaved Q4_0 group g (w u8
+    (rows / 8, nb * 144)), with the f32 steps of `q4_0_dot8`: acc = fma(float(block sum), d_w * d_a, acc)."""
+
+    @intrinsic
+    def dot(typingctx, w, g, aq, t, ad, s, asum, nb, out):
+        sig = _signature8((w, g, aq, t, ad, s, asum, nb, out), (U8, int, I8T, int, F32T, F32T, I32T, int))
+
+        def codegen(context, builder, signature, args):
+            w_, g_, aq_, t_, ad_, _, asum_, nb_, out_ = args
+            group = _row(context, builder, signature.args[0], w_, g_)
+            arow = _row(context, builder, signature.args[2], aq_, t_)
+            drow = _row(context, builder, signature.args[4], ad_, t_)
+            sumrow = _row(context, builder, signature.args[6], asum_, t_)
+            ones = _splat(V16I16, 1)
+
+            def body(b, carried):
+                (acc,) = carried
+                blk = builder.gep(group, [builder.mul(b, ir.Constant(I64, Q4_0X8_BYTES))])
+                ablk = builder.gep(arow, [builder.mul(b, ir.Constant(I64, 32))])
+                a_lo = _load(builder, ablk, 0, V16I8)
+                a_hi = _load(builder, ablk, 16, V16I8)
+                a_lo, a_hi = (_shuffle(builder, a, a, list(range(16)) * 2) for a in (a_lo, a_hi))
+                lanes = []
+                for c in range(4):  # rows c and c + 4
+                    lo, hi = _nibbles32(builder, _load(builder, blk, 16 + 32 * c, V32I8))
+                    p = builder.add(_maddubs(builder, lo, a_lo), _maddubs(builder, hi, a_hi))  # |p| <= 7680
+                    lanes.append(_madd(builder, p, ones))
+                h = _hadd(builder, _hadd(builder, lanes[0], lanes[1]), _hadd(builder, lanes[2], lanes[3]))
+                asum = _hsum_i32(builder, _load(builder, sumrow, builder.mul(b, ir.Constant(I64, 32)), V8I32))
+                isum = builder.sub(h, _broadcast(builder, builder.mul(asum, ir.Constant(I32, 8)), V8I32))
+                da = _load(builder, drow, builder.mul(b, ir.Constant(I64, 4)), F32)
+                dw = builder.fpext(_load(builder, blk, 0, ir.VectorType(HALF, 8)), V8F32)
+                d = builder.fmul(dw, _broadcast(builder, da, V8F32))
+                return [_fma(builder, builder.sitofp(isum, V8F32), d, acc)]
+
+            (acc,) = _loop(builder, nb_, [ir.Constant(V8F32, [0.0] * 8)], body)
+            _store8(context, builder, signature, out_, t_, builder.mul(g_, ir.Constant(I64, 8)), acc)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return dot
+
+
 _KMASK1, _KMASK2, _KMASK3 = 0x3F3F3F3F, 0x0F0F0F0F, 0x03030303
 
 
@@ -152,10 +215,11 @@ def _k4_scales_mins_vec(builder, blk):
     return scales, mins
 
 
-def q4_k_dot8():
+def q4_k_dot8(grouped: bool = False):
     """Intrinsic (w, r0, aq, t, ad, bsums, nb, out): out[t, r0:r0+8] for Q4_K rows r0..r0+7 as the repacked
     q4_K_8x8 gemv (`repack.py`, piece 256): per super-block I and M of each row (int32), then
-    acc = fma(float(I), fl(dw * da), acc), accm = fma(float(M), fl(dmin * da), accm); out = acc - accm."""
+    acc = fma(float(I), fl(dw * da), acc), accm = fma(float(M), fl(dmin * da), accm); out = acc - accm.
+    grouped: w is (rows / 8, nb * 1152), block b of the eight rows side by side, one stream."""
 
     @intrinsic
     def dot(typingctx, w, r0, aq, t, ad, bsums, nb, out):
@@ -163,10 +227,15 @@ def q4_k_dot8():
 
         def codegen(context, builder, signature, args):
             w_, r0_, aq_, t_, ad_, bs_, nb_, out_ = args
-            arr = context.make_array(signature.args[0])(context, builder, w_)
-            row_bytes = cgutils.unpack_tuple(builder, arr.strides, 2)[0]
-            w0 = _row(context, builder, signature.args[0], w_, r0_)
-            rows = [builder.gep(w0, [builder.mul(row_bytes, ir.Constant(I64, i))]) for i in range(8)]
+            if grouped:
+                w0 = _row(context, builder, signature.args[0], w_, builder.sdiv(r0_, ir.Constant(I64, 8)))
+                rows = [builder.gep(w0, [ir.Constant(I64, 144 * i)]) for i in range(8)]
+            else:
+                arr = context.make_array(signature.args[0])(context, builder, w_)
+                row_bytes = cgutils.unpack_tuple(builder, arr.strides, 2)[0]
+                w0 = _row(context, builder, signature.args[0], w_, r0_)
+                rows = [builder.gep(w0, [builder.mul(row_bytes, ir.Constant(I64, i))]) for i in range(8)]
+            stride = ir.Constant(I64, 1152 if grouped else 144)
             arow = _row(context, builder, signature.args[2], aq_, t_)
             drow = _row(context, builder, signature.args[4], ad_, t_)
             bsrow = _row(context, builder, signature.args[5], bs_, t_)
@@ -174,7 +243,7 @@ def q4_k_dot8():
 
             def body(b, carried):
                 acc, accm = carried
-                off = builder.mul(b, ir.Constant(I64, 144))
+                off = builder.mul(b, stride)
                 blks = [builder.gep(p, [off]) for p in rows]
                 ablk = builder.gep(arow, [builder.mul(b, ir.Constant(I64, 256))])
                 bs = _load(builder, bsrow, builder.mul(b, ir.Constant(I64, 32)), V16I16)
