@@ -8,8 +8,10 @@ tokenizer and chunker. Run: `python -m conformance.record_perplexity` (needs the
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +21,18 @@ from ggufpy.packaged import PACKAGED_MODELS
 from ggufpy.perplexity import default_text
 
 OUT = Path(__file__).resolve().parents[1] / "tests" / "data" / "perplexity"
-CASES = {"smollm2": (64, 3), "gemma3": (64, 2)}  # model -> (n_ctx, n_chunks): small, so the NumPy replay is quick
+CASES = {"smollm2": (64, 3), "gemma3": (64, 2), "smollm2-q4_k_m": (64, 3)}  # -> (n_ctx, n_chunks): small and quick
+REQUANTIZED = {"smollm2-q4_k_m": ("smollm2", "Q4_K_M")}  # SmolLM2 requantized by llama.cpp's own quantizer
+
+
+def model_path(name: str, workdir: Path) -> Path:
+    """The packaged model, or its requantization by `llama_model_quantize` (llama-quantize --allow-requantize)."""
+    if name not in REQUANTIZED:
+        return Path(PACKAGED_MODELS[name]())
+    from tests.quantize_oracle import llama_quantize
+
+    base, mix = REQUANTIZED[name]
+    return llama_quantize(Path(PACKAGED_MODELS[base]()), workdir / f"{name}.gguf", mix)
 
 
 def _libm_expf():
@@ -48,7 +61,16 @@ def llamacpp_nll(logits: np.ndarray, targets: list[int]) -> list[float]:
 
 
 def record(name: str, n_ctx: int, n_chunks: int) -> dict:
-    path = PACKAGED_MODELS[name]()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = model_path(name, Path(tmp))
+        result = _record(path, n_ctx, n_chunks)
+        result["model"] = name
+        if name in REQUANTIZED:  # ggufpy's quantizer must write these bytes for the golden to apply
+            result["sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
+        return result
+
+
+def _record(path: Path, n_ctx: int, n_chunks: int) -> dict:
     with llamacpp.LlamaCpp(path) as lc:
         lib = llamacpp._lib()
         tokens = lc.tokenize(default_text(), add_special=True)
@@ -64,7 +86,6 @@ def record(name: str, n_ctx: int, n_chunks: int) -> dict:
             nlls.append(llamacpp_nll(logits[first : n_ctx - 1], tokens[i * n_ctx + first + 1 : (i + 1) * n_ctx]))
     flat = [x for chunk in nlls for x in chunk]
     return {
-        "model": name,
         "n_ctx": n_ctx,
         "n_chunks": n_chunks,
         "add_bos": add_bos,

@@ -320,3 +320,25 @@ def test_cli_default_prints_llamacpps_perplexity(capsys):
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert f"Final estimate: PPL = {g['ppl']:.4f} +/- " in out
+
+
+@pytest.mark.slow  # ggufpy's NumPy quantizer writes the file (~4 minutes), then a numba forward pass per chunk
+def test_requantized_q4_k_m_perplexity_is_llamacpps(tmp_path):
+    """SmolLM2 requantized to Q4_K_M by ggufpy's quantizer: the file is the one llama.cpp's quantizer wrote for
+    the golden (same sha256), and in the host's llama.cpp numerics (the `ggufpy perplexity` default) its PPL
+    is the one llama.cpp computed from that file's logits."""
+    import hashlib
+
+    import ggufpy
+    from ggufpy.numerics import llamacpp_mode
+    from ggufpy.workbench.quantize import quantize_model
+    from tests import models
+
+    g = _golden("smollm2-q4_k_m")
+    path = tmp_path / "smollm2-q4_k_m.gguf"
+    quantize_model(models.smollm2_path(), path, "Q4_K_M")
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == g["sha256"]
+    model = ggufpy.load(path, numerics=llamacpp_mode(g["llama_cpp"]["system_info"]))
+    chunks = make_chunks(model.tokenizer, default_text(), g["n_ctx"], g["n_chunks"])
+    assert chunks.tokens.tolist() == g["tokens"]
+    assert perplexity(model, chunks).value == pytest.approx(g["ppl"], rel=PPL_SAME)
