@@ -9,6 +9,7 @@ Dimension alphabet used in the shape comments:
 
 from __future__ import annotations
 
+import itertools
 from typing import NamedTuple
 
 import numpy as np
@@ -120,6 +121,27 @@ def softmax(x: np.ndarray, axis: int = -1, out: np.ndarray | None = None) -> np.
     return e
 
 
+# Bytes of scores one block of a prefill's queries may hold: a block's scores are (H, rows, S) f32, so memory
+# grows with the cache length S, not with the square of the prompt (16k tokens x 32 heads at once: 32 GB)
+ATTENTION_BUDGET = 64 << 20
+
+
+def query_rows(T: int, S: int, heads: int, itemsize: int = 4, budget: int = ATTENTION_BUDGET) -> int:
+    """How many of T queries one block of attention takes so that its (heads, rows, S) scores of `itemsize`
+    bytes fit in `budget`: at least 2 (a 1-row block would take BLAS's matrix-vector path, which sums in
+    another order than the matrix product the other rows go through), at most T."""
+    return min(T, max(2, budget // max(1, heads * S * itemsize)))
+
+
+def query_blocks(T: int, rows: int) -> list[slice]:
+    """T queries in blocks of `rows`, none of 1 row where T >= 2 (see `query_rows`): a last single row joins
+    the block before."""
+    bounds = [*range(0, T, rows), T]
+    if len(bounds) > 2 and bounds[-1] - bounds[-2] == 1:
+        del bounds[-2]
+    return [slice(a, b) for a, b in itertools.pairwise(bounds)]
+
+
 def attention(
     q: np.ndarray,
     k: np.ndarray,
@@ -129,6 +151,7 @@ def attention(
     window: int | None = None,
     softcap: float | None = None,
     sinks: np.ndarray | None = None,
+    budget: int = ATTENTION_BUDGET,
 ) -> np.ndarray:
     """Causal grouped-query attention of T new queries over S cached positions.
 
@@ -137,7 +160,20 @@ def attention(
     LLAMA_SWA_TYPE_STANDARD). `softcap`: scores become softcap * tanh(scores / softcap) (gemma2).
     `sinks` (H,): one extra logit per head that joins each softmax's denominator but has no value (gpt-oss's
     attn_sinks; ggml `ggml_soft_max_add_sinks`): the probabilities sum to less than 1.
+    The queries go in blocks whose scores fit in `budget` bytes (`query_rows`); every row is computed over all
+    S keys (masked ones too) whatever the block, so the result does not depend on the budget.
     """
+    T, H, E = q.shape
+    S = k.shape[0]
+    out = np.empty((T, H * E), np.float32)
+    for rows in query_blocks(T, query_rows(T, S, H, 4, budget)):
+        p = start + rows.start
+        out[rows] = _attention_block(q[rows], k, v, p, scale, window, softcap, sinks)
+    return out
+
+
+def _attention_block(q, k, v, start, scale, window, softcap, sinks) -> np.ndarray:
+    """`attention` of one block of queries at positions start..start+T-1, all its scores at once."""
     T, H, E = q.shape
     S, G, _ = k.shape
     qg = q.reshape(T, G, H // G, E).transpose(1, 2, 0, 3)  # (G, H/G, T, E)

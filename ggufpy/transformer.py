@@ -15,7 +15,7 @@ import numpy as np
 from . import gemma4, hybrid, mla, moe, ops
 from .backend import Backend, linears
 from .config import ModelConfig
-from .kvcache import ContextLengthError, KVCache
+from .kvcache import KV_TYPES, ContextLengthError, KVCache, attention_q8
 from .numerics import NUMERICS, Numerics
 from .weights import LayerWeights, QuantTensor, Weights
 
@@ -50,12 +50,23 @@ class Model:
         self.file = file
 
     # -- public API ---------------------------------------------------------------------------------------
-    def new_cache(self, capacity: int | None = None, layers: range | None = None) -> KVCache:
-        """An empty KV cache for one sequence over `layers` (default: this model's layers)."""
+    def new_cache(
+        self, capacity: int | None = None, layers: range | None = None, kv_type: str | None = None
+    ) -> KVCache:
+        """An empty KV cache for one sequence over `layers` (default: this model's layers). `kv_type`: None for
+        the numerics' own K/V values (f32 exact, f16 llamacpp), or "q8_0" for Q8_0 blocks (`kvcache.Q8Cache`,
+        llama.cpp's `-ctk q8_0 -ctv q8_0`, read as its flash attention reads them)."""
         cfg = self.config
         capacity = capacity or min(cfg.context_length, DEFAULT_CACHE_CAPACITY)
         if capacity > cfg.context_length:
             raise ContextLengthError(f"capacity {capacity} exceeds the model's context length {cfg.context_length}")
+        if kv_type is not None:
+            if kv_type not in KV_TYPES:
+                raise ValueError(f"unknown KV cache type {kv_type!r}; available: {', '.join(KV_TYPES)}")
+            if cfg.deltanet is not None or cfg.gemma4 is not None or cfg.value_dim is not None:
+                raise ValueError(f"a {kv_type} KV cache is for plain K/V layers, not {cfg.arch.name}'s cache")
+            rotation = self.numerics.x86_isa if self.numerics.x86_kernels else "f32"  # as llama.cpp (kvcache.py)
+            return KV_TYPES[kv_type](layers or self.layers, capacity, cfg.n_kv_heads, cfg.head_dim, rotation=rotation)
         if cfg.deltanet is not None:  # KV for the attention layers, conv + recurrent states for the DeltaNet ones
             return hybrid.new_state(self, layers or self.layers, capacity)
         if cfg.gemma4 is not None:  # per-layer K/V shapes, none for the shared-KV layers
@@ -335,13 +346,19 @@ class Model:
             attention, extra["sinks"] = self.numerics.attention, w.attn_sinks
         n = N // len(seqs)  # rows per sequence: T for `block`, 1 for `block_rows`
         attn = np.empty((N, cfg.n_heads * cfg.head_dim), np.float32)  # (N, H*E)
-        for s, (pos, cache) in enumerate(seqs):
+        plain = (
+            w.attn_sinks is None and cfg.chunk(i) is None and all(getattr(c, "kv_type", None) is None for _, c in seqs)
+        )
+        together = rows and plain and _attention_rows(self.backend, q, k, v, i, seqs, scale, extra, attn)
+        for s, (pos, cache) in enumerate(() if together else seqs):
             r = slice(s * n, (s + 1) * n)
-            keys, values = cache.update(i, pos, k[r], v[r])  # (S, G, E) each
+            keys, values = cache.update(i, pos, k[r], v[r])  # (S, G, E) each, or (S, G, E/32*34) Q8_0 rows
+            quantized = getattr(cache, "kv_type", None) is not None  # Q8_0 K/V blocks: flash attention over them
+            attend = attention_q8(self.numerics, self.backend, cache) if quantized else attention
             if cfg.chunk(i) is None:
-                attn[r] = attention(q[r], keys, values, pos, scale, **extra)
+                attn[r] = attend(q[r], keys, values, pos, scale, **extra)
             else:
-                attn[r] = _chunked(attention, q[r], keys, values, pos, scale, cfg.chunk(i), extra)
+                attn[r] = _chunked(attend, q[r], keys, values, pos, scale, cfg.chunk(i), extra)
         _record(trace, f"kqv_out-{i}", attn)
         (out,) = self._products(attn, (w.attn_output,), rows)  # (N, D)
         if w.attn_output_bias is not None:  # gpt-oss: build_attn's ggml_add(cur, wo_b)
@@ -396,6 +413,20 @@ def linears_rows(backend: Backend, x: np.ndarray, ws: tuple[QuantTensor, ...]) -
     return [
         np.concatenate(rows) for rows in zip(*(linears(backend, x[b : b + 1], ws) for b in range(len(x))), strict=True)
     ]
+
+
+def _attention_rows(backend: Backend, q, k, v, i: int, seqs, scale, extra: dict, out: np.ndarray) -> bool:
+    """Batched decode (one row per sequence): every row's attention in one call into `out` where the backend
+    has one (`attention_rows`: each row bit for bit its own call); False: the caller goes row by row.
+    q (B, H, E), k and v (B, G, E)."""
+    together = getattr(backend, "attention_rows", None)
+    if together is None:
+        return False
+    kv = [cache.update(i, pos, k[s : s + 1], v[s : s + 1]) for s, (pos, cache) in enumerate(seqs)]
+    attn = together(q, kv, scale, **extra)
+    if attn is not None:
+        out[:] = attn
+    return attn is not None
 
 
 def _chunked(attention, q, keys, values, pos: int, scale, chunk: int, extra: dict) -> np.ndarray:

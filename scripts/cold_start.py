@@ -7,7 +7,8 @@ Each round makes a fresh `NUMBA_CACHE_DIR`, runs `ggufpy run --chat -p "What is 
 new process (cold), then again in another new process on the cache that run left (warm). A small wrapper in
 the child records when `ggufpy.loading.load` returns and when the first generated text reaches stdout; the
 table shows the seconds in between (wall clock, and the CPU seconds the process used, which a busy machine
-disturbs less: compiling is single-threaded).
+disturbs less: compiling is single-threaded), and the whole run's wall and CPU seconds, the compile worker's
+process included (`ggufpy.kernels.compile_worker`: the first-token CPU column does not hold its share).
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
+import time
 
 PROMPT = "What is the capital of France?"
 
@@ -56,12 +59,20 @@ print("TIMINGS " + json.dumps({
 def run_once(cache_dir: str, extra: list[str]) -> dict:
     env = dict(os.environ, NUMBA_CACHE_DIR=cache_dir)
     cmd = [sys.executable, "-c", CHILD, "run", "--chat", "-p", PROMPT, *extra]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("TIMINGS ")]
     if proc.returncode != 0 or not lines:
         raise SystemExit(f"ggufpy run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     result = json.loads(lines[-1][len("TIMINGS ") :])
+    result["text"] = proc.stdout
     result["reply"] = proc.stdout.strip().splitlines()[0][:60] if proc.stdout.strip() else ""
+    # the whole run, the compile worker's process included (it is waited for at exit)
+    result["total_cpu_s"] = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    result["total_wall_s"] = wall
     return result
 
 
@@ -73,17 +84,25 @@ def main() -> None:
     args = ap.parse_args()
     with open("/proc/loadavg") as f:
         print(f"load average before: {f.read().split()[:3]}")
-    print("| run | load s | first token s (wall) | first token s (CPU) | reply |")
-    print("| --- | ---: | ---: | ---: | --- |")
+    print(
+        "| run | load s | first token s (wall) | first token s (CPU) | whole run s (wall) "
+        "| whole run CPU s, all processes | reply |"
+    )
+    print("| --- | ---: | ---: | ---: | ---: | ---: | --- |")
+    same = True
     for _ in range(args.rounds):
         with tempfile.TemporaryDirectory(prefix="numba-cold-") as cache_dir:
+            texts = []
             for kind in ["cold"] + ["warm"] * args.warm:
                 r = run_once(cache_dir, args.extra)
+                texts.append(r["text"])
                 print(
                     f"| {kind} | {r['load_s']:.2f} | {r['first_token_s']:.2f} | {r['first_token_cpu_s']:.2f} "
-                    f"| {r['reply']} |",
+                    f"| {r['total_wall_s']:.2f} | {r['total_cpu_s']:.2f} | {r['reply']} |",
                     flush=True,
                 )
+            same = same and len(set(texts)) == 1
+    print(f"cold and warm runs printed the same text: {same}")
     with open("/proc/loadavg") as f:
         print(f"load average after: {f.read().split()[:3]}")
 

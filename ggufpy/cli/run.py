@@ -20,6 +20,8 @@ COMPLETION_TEMP = 0.8  # llama.cpp's default for plain completion
 # question: "The" 54%, "L" 36%), and sampling it makes the headline answer a coin flip (docs/chat.md).
 CHAT_TEMP = 0.0
 NOTICE_AFTER_S = 1.0  # say what the kernel setup is doing only when it takes this long (a cold numba cache)
+# the products of a decode step (`LayerWeights`), whose kernels compile ahead
+LAYER_MATRICES = ("attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
 def _number(kind, low: float | None = None, high: float | None = None, low_open: bool = False):
@@ -58,6 +60,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         type=_number(int, 1),
         default=None,
         help="positions the KV cache holds, prompt and reply (default: the model's context length)",
+    )
+    p.add_argument(
+        "--kv-type",
+        choices=["q8_0"],
+        default=None,
+        help="store K and V as Q8_0 blocks, like llama.cpp's -ctk q8_0 -ctv q8_0 (default: f32, f16 in llamacpp)",
     )
     p.add_argument(
         "-n",
@@ -164,12 +172,29 @@ def load_pipeline(args: argparse.Namespace, max_sequences: int = 1):
         raise UsageError(f"--ray: {e}") from None
 
 
-def prepare_kernels(model, prompt_tokens: int | None = None, out=None) -> float:
-    """Run the kernels a prefill of ``prompt_tokens`` (None: any length) and decode use once, on a scratch
-    cache; return the seconds.
+def compile_early(args: argparse.Namespace) -> None:
+    """On a cold numba cache, start the compile worker before the model loads, on the output head's kernel
+    (what the first token waits for): its seconds of compiling then overlap the load."""
+    if args.backend not in (None, "numba") or getattr(args, "ray", None):
+        return
+    try:
+        from ..kernels import _numba, attention, compile_worker, ops
+    except ImportError:  # no numba: the NumPy backend runs
+        return
+    # kernels every model's decode uses: absent, nothing ran here yet (other gaps are filled as they show)
+    if _numba.cache_is_cold([ops._rms_norm, attention._attention]):
+        compile_worker.call_in_worker("ggufpy.kernels.compile_worker", "head", args.model)
 
-    numba compiles a kernel on its first call (30-60 s for a model's set, cached on disk afterwards): done
-    here, that wait is neither silent (a line appears once it lasts) nor counted in the reported speeds.
+
+def prepare_kernels(model, prompt_tokens: int | None = None, out=None) -> float:
+    """Compile (or load from numba's disk cache) the kernels a prefill of ``prompt_tokens`` (None: any length)
+    and its first token use; return the seconds.
+
+    numba compiles a kernel on its first call (cached on disk afterwards): done here, that wait is neither
+    silent (a line appears once it lasts) nor counted in the reported speeds. Only the prompt's own path runs
+    here, on a scratch cache; the output head's and the decode step's kernels compile meanwhile in a worker
+    process on the other core (`NumbaBackend.compile_ahead`), so the first token waits for the head's only.
+    Whatever compiles where, the kernels are the same, so the tokens are those of a warm cache.
     """
     if getattr(model.backend, "name", "") != "numba":
         return 0.0
@@ -179,7 +204,7 @@ def prepare_kernels(model, prompt_tokens: int | None = None, out=None) -> float:
     notice = threading.Timer(
         NOTICE_AFTER_S,
         lambda: print(
-            "ggufpy: preparing the numba kernels (compiled on first use, ~30-60 s; cached on disk for later runs)",
+            "ggufpy: preparing the numba kernels (compiled on first use, ~10-30 s; cached on disk for later runs)",
             file=out,
             flush=True,
         ),
@@ -188,14 +213,37 @@ def prepare_kernels(model, prompt_tokens: int | None = None, out=None) -> float:
     t0 = time.perf_counter()
     notice.start()
     try:
-        blas_rows = getattr(model.backend, "blas_rows", None) or 16
-        # a long prefill (BLAS tiles: a fixed cost, so only when the prompt takes that path), a short one (the
-        # fused kernels on a few rows), then one decode step
-        long = [blas_rows] if prompt_tokens is None or prompt_tokens >= blas_rows else []
-        cache = model.new_cache(capacity=blas_rows + 3)
+        be, w = model.backend, model.weights
+        listed = getattr(be, "row_kernels", None) is not None
+        head = be.row_kernels([w.output]) if listed and model.layers.stop == model.config.n_layers else []
+        matrices = [getattr(lw, name, None) for lw in w.layers.values() for name in LAYER_MATRICES]
+        decode = be.row_kernels(matrices, attention=True) if listed else []  # []: warmed here by running them
+        blas_rows = getattr(be, "blas_rows", None) or 16
+        blas = prompt_tokens is None or prompt_tokens >= blas_rows
+        # BLAS tiles: NumPy unpacks them, bit for bit, while the worker compiles their kernel
+        tiles = be.unpack_kernels(matrices) if listed and blas and decode else []
+        if head or tiles:
+            be.compile_ahead(head + tiles)
+        # the prompt's path: BLAS tiles from `blas_rows` rows on (kernels alike in every layer: the first
+        # runs), else the fused kernels on pairs of rows (and one row for an odd count), in every layer but
+        # the last when the worker has the head
+        if blas:
+            rows = [blas_rows] + ([] if prompt_tokens is not None else [2])
+        else:
+            rows = [2 + prompt_tokens % 2] if prompt_tokens > 1 else []
+        rows += [] if decode and prompt_tokens is not None else [1]
+        if head and any(n % 2 for n in rows):  # row kernels here: not while the worker compiles one (see
+            be.await_compiles(head[0][0])  # `_numba.compile_in_background` on numba's cache index)
+        stop = model.layers.start + 1 if tiles and len(rows) == 1 else model.layers.stop - (1 if head else 0)
+        layers = range(model.layers.start, stop)
+        cache = model.new_cache(capacity=sum(rows) + 1)
         token = model.tokenizer.bos_id if model.tokenizer is not None and model.tokenizer.bos_id is not None else 0
-        for n in (*long, 2, 1):
-            model.forward(np.full(n, token, dtype=np.int64), cache.length, cache, last_only=True)
+        for n in rows if len(layers) else []:
+            model.forward(np.full(n, token, dtype=np.int64), cache.length, cache, layers=layers, last_only=True)
+        if decode:  # compiled in the worker while the prompt runs (those the prompt's path compiled are skipped)
+            be.compile_ahead(decode)
+        if head:
+            be.await_compiles(head[0][0])
     finally:
         notice.cancel()
     seconds = time.perf_counter() - t0
@@ -289,6 +337,7 @@ def run(args: argparse.Namespace) -> int:
     prompt = clean_text(args.prompt, "the prompt")
     system = clean_text(args.system, "--system") if args.system else None
     args.stop = [clean_text(s, "--stop") for s in args.stop]
+    compile_early(args)
     model, load_s = load_model(args)
     tok = model.tokenizer
     view = None  # a harmony reply (gpt-oss) is printed by channel
@@ -313,7 +362,7 @@ def run(args: argparse.Namespace) -> int:
         name = f"ray, {len(model.plan)} stages, {model.backend_name}"
         setup_s = 0.0  # the stages prepared their kernels while loading
     else:
-        cache = model.new_cache(capacity=context_size(model, args))
+        cache = model.new_cache(capacity=context_size(model, args), kv_type=args.kv_type)
         setup_s = prepare_kernels(model, len(ids))
         result = stream(model, ids, args, sampling, cache, view).result
         name = model.backend.name

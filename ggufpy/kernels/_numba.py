@@ -20,16 +20,20 @@ from numba import prange
 
 __all__ = [
     "DISABLED",
+    "cache_is_cold",
     "call_native",
+    "compile_in_background",
     "compiled_in_background",
     "default_threads",
     "fma_f32",
     "get_threads",
     "half_to_float",
     "jit",
+    "load_cached",
     "native",
     "prange",
     "set_threads",
+    "signature",
     "use_threads",
     "wait_for_compiles",
 ]
@@ -191,37 +195,100 @@ def native(kernel, args: tuple) -> tuple[int, int]:
     return cres.library.get_pointer_to_function(cres.fndesc.llvm_func_name), signature_key(sig)
 
 
+def signature(args: tuple) -> tuple:
+    """The numba argument types of `args`: the key a kernel's compiled versions are stored under."""
+    return tuple(numba.typeof(a) for a in args)
+
+
+def load_cached(kernel, sig: tuple) -> bool:
+    """Whether `kernel` is compiled for `sig` in this process, after loading it from the disk cache if it is
+    there; never compiles (`Dispatcher.compile`'s cache branch, without its fall-through to the compiler)."""
+    if DISABLED or sig in kernel.overloads:
+        return True
+    from numba.core.compiler_lock import global_compiler_lock
+
+    with global_compiler_lock:
+        if sig in kernel.overloads:
+            return True
+        cres = kernel._cache.load_overload(sig, kernel.targetctx)
+        if cres is None:
+            return False
+        kernel._cache_hits[sig] += 1
+        if not cres.objectmode:
+            kernel.targetctx.insert_user_function(cres.entry_point, cres.fndesc, [cres.library])
+        kernel.add_overload(cres)
+    return True
+
+
+# Background compiles run in a worker process (`compile_worker`), not in a thread of this one: numba compiles
+# under one lock per process, mostly in Python holding the GIL, so a compiling thread only delays the
+# foreground's kernels; a second process compiles on the other core and this one loads its result from disk.
+# Callers keep the two from compiling one function for different types at once: numba's cache index is read,
+# extended and rewritten without a lock, so two writers could give both entries one data file.
+ELSEWHERE = True
+
 _JOBS: dict[tuple, threading.Event] = {}  # (kernel, argument types) -> set once compiled (or failed)
 _JOBS_LOCK = threading.Lock()
 
 
-def _compile(kernel, sig, done: threading.Event) -> None:
+def _compile(kernel, sig, done: threading.Event, check_cache: bool) -> None:
+    from . import compile_worker
+
     try:
-        kernel.compile(sig)
+        if check_cache and load_cached(kernel, sig):
+            return
+        elsewhere = compile_worker.job(kernel, sig) if ELSEWHERE else None
+        if elsewhere is None:
+            kernel.compile(sig)
+        else:  # load the worker's result, or compile here what it could not (not what it left: interrupted)
+            elsewhere.wait()
+            if not load_cached(kernel, sig) and getattr(elsewhere, "failed", False):
+                kernel.compile(sig)
     except Exception:  # the caller's own call then compiles in the foreground and raises it
         pass
     finally:
         done.set()
 
 
-def compiled_in_background(kernel, args: tuple, wait: bool = False) -> bool:
-    """Whether `kernel` is compiled for the types of `args`. If not, it is compiled (or loaded from the disk
-    cache) on a background thread, started once per kernel and types, and this returns False until that
-    is done (`wait`: block until then). For a caller that has an equivalent path to run meanwhile."""
-    if DISABLED:
-        return True
-    sig = tuple(numba.typeof(a) for a in args)
-    if sig in kernel.overloads:
-        return True
+def compile_in_background(kernel, sig: tuple, check_cache: bool = True) -> threading.Event:
+    """Start loading `kernel` for the argument types `sig` from the disk cache (`check_cache`: a caller that
+    just found it missing passes False), else compiling it in the worker process and then loading it, on a
+    background thread; once per kernel and types. The event is set when this process has it."""
     with _JOBS_LOCK:
         done = _JOBS.get((kernel, sig))
         if done is None:
             done = _JOBS[kernel, sig] = threading.Event()
-            thread = threading.Thread(target=_compile, args=(kernel, sig, done), name="ggufpy-compile", daemon=True)
-            thread.start()
+            if DISABLED or sig in kernel.overloads:
+                done.set()
+            else:
+                thread = threading.Thread(
+                    target=_compile, args=(kernel, sig, done, check_cache), name="ggufpy-compile", daemon=True
+                )
+                thread.start()
+    return done
+
+
+def compiled_in_background(kernel, args: tuple, wait: bool = False) -> bool:
+    """Whether `kernel` is compiled for the types of `args`. If not, it is compiled (or loaded from the disk
+    cache) in the background (`compile_in_background`), and this returns False until that is done (`wait`:
+    block until then). For a caller that has an equivalent path to run meanwhile."""
+    if DISABLED:
+        return True
+    sig = signature(args)
+    if sig in kernel.overloads:
+        return True
+    done = compile_in_background(kernel, sig)
     if wait:
         done.wait()
     return done.is_set()
+
+
+def cache_is_cold(kernels) -> bool:
+    """Whether numba's disk cache holds nothing for one of these kernels (its index file is missing)."""
+    try:
+        return any(not os.path.exists(k._cache._cache_file._index_path) for k in kernels)
+    except AttributeError:  # another numba's cache internals: assume it is warm
+        return False
 
 
 @atexit.register

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._numba import get_threads, jit, prange, use_threads
+from ._numba import DISABLED, get_threads, jit, prange, use_threads
+from .batched_ir import carray, f32_pointer
 
-__all__ = ["attention", "exp_nonpositive"]
+__all__ = ["attention", "attention_rows", "exp_nonpositive"]
 
 _LOG2E = np.float32(1.4426950408889634)
 _LN2_HI = np.float32(0.693359375)  # ln 2 split in two (Cody-Waite), so n * ln2_hi is exact
@@ -119,3 +120,77 @@ def attention(
         out,
     )
     return out.reshape(T, H * E)
+
+
+# -- batched decode: one token of each of B sequences, every (row, head) in one call --------------------------
+@jit(parallel=True, fast=True)
+def _attention_rows(nt, q, keys, values, lengths, G, scale, window, softcap, out):
+    """Row b of q (B, H, E) at position lengths[b] - 1 over its own cache: keys[b], values[b] are the addresses
+    of (lengths[b], G, E) f32 arrays. Each (row, head) is `_attention`'s task for T = 1 in its own code, so a
+    row equals its call alone bit for bit (tests/test_batch.py)."""
+    previous = use_threads(nt)
+    B, H, E = q.shape
+    per_group = H // G
+    for i in prange(B * H):
+        b = i // H
+        h = i % H
+        g = h // per_group
+        S = lengths[b]
+        k = carray(f32_pointer(keys[b]), (S, G, E))
+        v = carray(f32_pointer(values[b]), (S, G, E))
+        pos = S - 1
+        lo = max(0, pos - window + 1) if window > 0 else 0  # keys lo..hi-1 are visible
+        hi = min(S, pos + 1)
+        scores = np.empty(max(hi - lo, 0), np.float32)
+        qh = q[b, h]
+        peak = np.float32(-np.inf)
+        for s in range(lo, hi):
+            acc = _dot(qh, k[s, g], E) * scale
+            if softcap > 0:
+                acc = softcap * np.tanh(acc / softcap)
+            scores[s - lo] = acc
+            peak = max(peak, acc)
+        for j in range(hi - lo):
+            scores[j] = exp_nonpositive(scores[j] - peak)
+        total = _sum(scores, hi - lo)
+        for e in range(E):
+            out[b, h, e] = 0.0
+        for s in range(lo, hi):
+            p = scores[s - lo] / total
+            for e in range(E):
+                out[b, h, e] += p * v[s, g, e]
+    use_threads(previous)
+
+
+def attention_rows(
+    q: np.ndarray,
+    kv: list[tuple[np.ndarray, np.ndarray]],
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+    threads: int = 0,
+) -> np.ndarray:
+    """`attention` of B sequences at once: row b of q (B, H, E) is the last position of its own keys and values
+    kv[b] = ((S_b, G, E), (S_b, G, E)), the views `KVCache.update` returns. -> (B, H*E), row b bit for bit
+    `attention(q[b:b+1], *kv[b], S_b - 1, scale, ...)`, in one call instead of B."""
+    B, H, E = q.shape
+    if DISABLED:  # plain Python: no addresses to read arrays from
+        return np.concatenate(
+            [attention(q[b : b + 1], k, v, len(k) - 1, scale, window, softcap) for b, (k, v) in enumerate(kv)]
+        )
+    ks = [np.ascontiguousarray(k, np.float32) for k, _ in kv]  # (views of a cache's first S rows: contiguous already)
+    vs = [np.ascontiguousarray(v, np.float32) for _, v in kv]
+    out = np.empty((B, H, E), np.float32)
+    _attention_rows(
+        threads or get_threads(),
+        np.ascontiguousarray(q, np.float32),
+        np.array([k.ctypes.data for k in ks], np.int64),
+        np.array([v.ctypes.data for v in vs], np.int64),
+        np.array([len(k) for k in ks], np.int64),
+        ks[0].shape[1],
+        np.float32(scale),
+        int(window or 0),
+        np.float32(softcap or 0.0),
+        out,
+    )
+    return out.reshape(B, H * E)

@@ -28,13 +28,14 @@ from ..constants import GGMLType
 from ..numerics import NUMERICS, Numerics, attention_x86, rope_ggml
 from ..weights import QuantTensor
 from . import activations as act
-from . import glue_ggml, int8dot, x86
+from . import glue_ggml, int8dot, unpack_numpy, x86
 from . import ops as kernel_ops
-from ._numba import set_threads
+from ._numba import compile_in_background, load_cached, set_threads, signature
+from .attention import _attention as _attention_kernel
 from .attention import attention as _attention
 from .dequant import dequantize_blocks
 from .layout import GROUP, PACKED_TYPES, Packed, pack, trim_heap
-from .matvec import matvec, plan, unpack
+from .matvec import _FAMILY, _NO_TERMS, _scale_args, _unpack_t, matvec, plan, unpack
 from .rawblocks import BLOCK_TYPES
 
 __all__ = ["VEC_DOT", "NumbaBackend", "linear_types"]
@@ -183,6 +184,7 @@ class NumbaBackend:
         self._stacks: dict[tuple[QuantTensor, ...], list] = {}  # linears(): weights stacked by type
         self._int8: dict[QuantTensor, int8dot.Int8Weight | None] = {}  # llamacpp numerics: integer kernels
         self._tile = np.empty(0, np.float32)
+        self._pending: dict[object, list] = {}  # kernel -> events of its compiles started by `compile_ahead`
 
     # -- the Backend contract ------------------------------------------------------------------------------
     def linear(self, x: np.ndarray, w: QuantTensor) -> np.ndarray:
@@ -237,7 +239,8 @@ class NumbaBackend:
 
     def int8_weight(self, w: QuantTensor) -> int8dot.Int8Weight | None:
         """The integer-kernel form of `w` in the llamacpp numerics (`int8dot`: ggml's integer block dots over
-        the GGUF rows as stored, bit-identical to the NumPy backend's replay), else None."""
+        the GGUF rows as stored, except Q4_0 / Q4_K with rows % 8 == 0, copied into eight-row groups
+        (`int8dot.interleaved`); bit-identical to the NumPy backend's replay), else None."""
         if not (self.int8 and self.numerics.x86_kernels and self.x86_activations):  # ggml's x86 rounding only
             return None
         if w not in self._int8:
@@ -274,6 +277,8 @@ class NumbaBackend:
         return groups
 
     def _product(self, x: np.ndarray, p: Packed, planned: tuple) -> np.ndarray:
+        if self._pending and x.shape[0] == 1 and planned[0] is not None:
+            self.await_compiles(planned[0][0])
         mode = act.EXACT
         if self.numerics.quantize_activations:
             if p.type not in VEC_DOT:
@@ -343,7 +348,20 @@ class NumbaBackend:
             if softcap:
                 extra["softcap"] = softcap
             return nm.attention(q, k, v, start, scale, **extra)
+        if self._pending:
+            self.await_compiles(_attention_kernel)
         return _attention(q, k, v, start, scale, window, softcap, threads=threads)
+
+    def attention_q8(
+        self, q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, scale: float, window=None, softcap=None
+    ) -> np.ndarray:
+        """Attention over a Q8_0 KV cache (`kvcache.Q8Cache`), compiled (`kernels.attention_q8`): llama.cpp's
+        flash attention bit for bit in the llamacpp numerics, f32 over the blocks in the exact numerics."""
+        from . import attention_q8
+
+        threads = self._threads_for(q.shape[0] * q.shape[1] * k.shape[0] * q.shape[2])
+        ggml = self.numerics.x86_kernels
+        return attention_q8.attention(q, k, v, start, scale, window, softcap, ggml=ggml, threads=threads)
 
     def decode_block(self, config, w, i: int, h: np.ndarray, pos: int, cos, sin, cache) -> np.ndarray | None:
         """A whole transformer block for one token in one compiled call (`kernels.layer`), bit-identical to
@@ -352,6 +370,8 @@ class NumbaBackend:
 
         if _has_block_types(w):
             return None
+        if self._pending:  # the block takes every kernel's address: all of them loaded here, none compiled twice
+            self.await_compiles()
         return layer.decode_block(self, config, w, i, h, pos, cos, sin, cache)
 
     # The per-token glue, for a transformer that asks its backend (`getattr(backend, "rms_norm", ops.rms_norm)`):
@@ -367,6 +387,55 @@ class NumbaBackend:
         NUMERICS["llamacpp"].activations["silu"]: glue_ggml.silu_rows,
         NUMERICS["llamacpp-avx2"].activations["silu"]: functools.partial(x86.silu_rows, isa="avx2"),
     }
+
+    # -- compiling ahead (a cold numba cache: `ggufpy.cli.run.prepare_kernels`) -------------------------------
+    def row_kernels(self, weights: Iterable[QuantTensor | None], attention: bool = False) -> list[tuple]:
+        """[(kernel, argument types)] of the one-row products with `weights` (decode; the head after a prefill)
+        and, with `attention`, of one query's attention, in the exact numerics (the kernels `matvec` and
+        `attention` pick for those arguments); [] in the llamacpp numerics, whose paths are not listed here."""
+        if self.numerics.quantize_activations or self.numerics.attention is not ops.attention:
+            return []
+        jobs: dict[tuple, None] = {}
+        one = np.zeros((1, GROUP), np.float32)  # only the types count: 2-D f32, C order, as `linear` passes
+        for w in weights:
+            if w is None or w.type not in PACKED_TYPES or len(w.shape) != 2 or w.type in BLOCK_TYPES:
+                continue
+            (row, _), args = plan(self.packed(w))
+            jobs[row, signature((self.threads, *args, one, _NO_TERMS, True, one))] = None
+        if attention:
+            q = np.zeros((1, 1, 1), np.float32)  # (T, H, E); keys and values (S, G, E) alike
+            args = (self.threads, q, q, q, 0, np.float32(1), 0, np.float32(0), q)
+            jobs[_attention_kernel, signature(args)] = None
+        return list(jobs)
+
+    def unpack_kernels(self, weights: Iterable[QuantTensor | None]) -> list[tuple]:
+        """[(kernel, argument types)] of the BLAS tiles' unpacking of `weights` (a prefill of `blas_rows` rows
+        or more), which runs in NumPy, bit for bit, while `compile_ahead` compiles them."""
+        jobs: dict[tuple, None] = {}
+        tile = np.zeros((1, GROUP), np.float32)
+        for w in weights:
+            if w is None or w.type not in PACKED_TYPES or len(w.shape) != 2 or w.type in BLOCK_TYPES:
+                continue
+            p = self.packed(w)
+            jobs[_unpack_t, signature((1, p.q, _FAMILY[p.family], *_scale_args(p), p.zo, 0, tile))] = None
+        return list(jobs)
+
+    def compile_ahead(self, kernels: Iterable[tuple]) -> None:
+        """Compile these (kernel, argument types) in the background (`_numba.compile_in_background`: from the
+        disk cache, else in a worker process on the other core). A one-row call that needs one of them waits
+        for it (`await_compiles`) rather than compiling it a second time in this process."""
+        for kernel, sig in kernels:
+            if load_cached(kernel, sig):  # here, now: a warm cache starts no worker
+                continue
+            done = compile_in_background(kernel, sig, check_cache=False)
+            if not done.is_set():
+                self._pending.setdefault(kernel, []).append(done)
+
+    def await_compiles(self, kernel=None) -> None:
+        """Wait until the compiles `compile_ahead` started for `kernel` (None: for every kernel) are loaded."""
+        for k in [kernel] if kernel is not None else list(self._pending):
+            for done in self._pending.pop(k, ()):
+                done.wait()
 
     # -- weights -------------------------------------------------------------------------------------------
     def packed(self, w: QuantTensor) -> Packed:
@@ -414,13 +483,22 @@ class NumbaBackend:
         for g0 in range(0, p.groups, step):
             g1 = min(p.groups, g0 + step)
             r0, r1 = g0 * GROUP, min(p.rows, g1 * GROUP)
-            # one numba thread: BLAS runs its own threads next, and two spinning pools would fight
-            tile = unpack(p, g0, g1, self._scratch(p.cols * (g1 - g0) * GROUP).reshape(p.cols, -1), threads=1)
+            tile = self._unpack(p, g0, g1, self._scratch(p.cols * (g1 - g0) * GROUP).reshape(p.cols, -1))
             y[:, r0:r1] = xe @ tile[:, : r1 - r0]
         if correction is not None:
             b = p.scales("b").transpose(0, 2, 1).reshape(-1, p.n_sub)[: p.rows]  # (rows, n)
             y += correction @ b.T
         return y
+
+    def _unpack(self, p: Packed, g0: int, g1: int, out: np.ndarray) -> np.ndarray:
+        """`matvec.unpack` on one numba thread (BLAS runs its own threads next, and two spinning pools would
+        fight), or, while `compile_ahead` compiles its kernel elsewhere, its NumPy replay: the same bits."""
+        pending = self._pending.get(_unpack_t) if self._pending and p.family != "blocks" else None
+        if pending:
+            if not all(done.is_set() for done in pending):
+                return unpack_numpy.unpack(p, g0, g1, out)
+            del self._pending[_unpack_t]
+        return unpack(p, g0, g1, out, threads=1)
 
     def _float_linear(self, x: np.ndarray, w: QuantTensor) -> np.ndarray:
         rows, cols = w.shape
@@ -446,6 +524,13 @@ class NumbaBackend:
         from .batched import linears_rows  # imports this module
 
         return linears_rows(self, x, ws)
+
+    def attention_rows(self, q: np.ndarray, kv: list, scale: float, **extra) -> np.ndarray | None:
+        """`attention` of B sequences' last rows in one call, each row bit-identical to its call alone; None
+        where `attention` would not run its numba kernel (the caller then goes row by row)."""
+        from .batched import attention_rows
+
+        return attention_rows(self, q, kv, scale, **extra)
 
     # Activations whose compiled loop does the same f32 operations in its SIMD body and its scalar tail, so that
     # one call on (B, F) equals B calls of one row (tests/test_batch.py): `Model.feed_forward` makes one call.

@@ -4,6 +4,7 @@
 (T == 1), whatever the other rows are: each row's sums take the single-row kernels' operations in their order
 (`_nib_row`; `_row` with the `*_dot1` inner products), with the loops turned inside out:
 
+    _sub_sums                      # each row's sum over each sub-block of x, once (not once per group)
     for g in prange(groups):       # one task per group of 64 weight rows
         for s in sub-blocks:       # unpack sub-block s of the group to f32 (S, 64) once, its scales once
             row_sums               # every row's 64 lane sums over it, in registers (batched_ir.py)
@@ -11,6 +12,9 @@
 
 so each weight byte comes from memory once per step for all B rows, is unpacked to f32 once for all rows
 (into an L1 scratch), and the multiply-adds of a pair of rows share each vector load of those values. The
+sub-block sums of x (exact numerics' `_terms`: a chain of S dependent adds, which the single-row kernel repeats
+for every group and which cost about as much as the multiply-adds) are summed once per call in the same order.
+`attention_rows`: every row's attention of a decode step in one compiled call. The
 scale step is the single-row kernels' code on purpose: their parallel body rounds it differently when it was
 compiled in this process and when it came from numba's cache (same machine code for the kernel itself: the
 body linked in from its own compile, or the copy in the cached object), and only the same numba code follows
@@ -28,14 +32,16 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import ops
 from . import rawblocks
 from ._numba import get_threads, jit, prange, use_threads
+from .attention import attention_rows as _attention_rows
 from .backend import FLOAT_TYPES
 from .batched_ir import row_sums
 from .layout import GROUP, Packed
-from .matvec import _NO_TERMS, _nib6_values, _scale_at, _terms, matvec, plan
+from .matvec import _nib6_values, _scale_at, matvec, plan
 
-__all__ = ["linears_rows", "matvec_rows"]
+__all__ = ["attention_rows", "linears_rows", "matvec_rows"]
 
 
 # --- unpacking one sub-block of a group into f32 values (S, 64), once for all rows ---------------------------
@@ -66,8 +72,21 @@ def _unpack_i8(q, g, s, S, vals, quarter):
             vals[k, r] = np.float32(np.int32(q[g, s, k, r]))
 
 
+@jit
+def _sub_sums(xv, S, sums):
+    """sums[t, s]: row t's sum over sub-block s, from 0 in column order: the `total` of `matvec._terms` (exact
+    numerics), which the single-row kernel sums again for every group of 64 weight rows. Serial and without
+    fastmath, so nothing reorders it."""
+    for t in range(xv.shape[0]):
+        for s in range(sums.shape[1]):
+            total = np.float32(0.0)
+            for k in range(s * S, s * S + S):
+                total += xv[t, k]
+            sums[t, s] = total
+
+
 @jit(inline=True)
-def _rows(unpack, q, a, b, sc, mn, per, zo, xv, g, out, quarter):
+def _rows(unpack, q, a, b, sc, mn, per, zo, xv, sums, g, out, quarter):
     """Every row t of xv times group g, each row's operations those of the single-row kernels (`_nib_row`,
     `_row`): per lane r, the sum over the sub-block (`row_sums`, batched_ir.py), then the scale step in the
     expressions of `_accumulate_direct`, with the lane scales converted (exactly) once per sub-block for all
@@ -94,7 +113,8 @@ def _rows(unpack, q, a, b, sc, mn, per, zo, xv, g, out, quarter):
             for r in range(64):
                 lane[3, r] = np.float32(np.int32(mn[g, s, r]))
         for t in range(B):
-            corr, sa, sm = _terms(xv, _NO_TERMS, True, zo, t, s, S)
+            sm = sums[t, s]  # `_terms` of exact numerics: (zo * sum, 1, sum)
+            corr, sa = np.float32(zo) * sm, np.float32(1.0)
             if sc.shape[0] > 0:
                 for r in range(64):
                     acc[t, r] += (lane[0, r] * lane[2, r] * sa) * (blk[t, r] + corr)
@@ -115,26 +135,26 @@ def _rows(unpack, q, a, b, sc, mn, per, zo, xv, g, out, quarter):
 
 # Separate kernels per family, as in `matvec`: LLVM optimizes each loop nest on its own.
 @jit(parallel=True, fast=True)
-def _rows_nib(nt, q, a, b, sc, mn, per, zo, xv, out):
+def _rows_nib(nt, q, a, b, sc, mn, per, zo, xv, sums, out):
     previous = use_threads(nt)
     for g in prange(q.shape[0]):
-        _rows(_unpack_nib, q, a, b, sc, mn, per, zo, xv, g, out, 0)
+        _rows(_unpack_nib, q, a, b, sc, mn, per, zo, xv, sums, g, out, 0)
     use_threads(previous)
 
 
 @jit(parallel=True, fast=True)
-def _rows_nib6(nt, q, a, b, sc, mn, per, zo, xv, out):
+def _rows_nib6(nt, q, a, b, sc, mn, per, zo, xv, sums, out):
     previous = use_threads(nt)
     for g in prange(q.shape[0]):
-        _rows(_unpack_nib6, q, a, b, sc, mn, per, zo, xv, g, out, q.shape[3] // 3)
+        _rows(_unpack_nib6, q, a, b, sc, mn, per, zo, xv, sums, g, out, q.shape[3] // 3)
     use_threads(previous)
 
 
 @jit(parallel=True, fast=True)
-def _rows_i8(nt, q, a, b, sc, mn, per, zo, xv, out):
+def _rows_i8(nt, q, a, b, sc, mn, per, zo, xv, sums, out):
     previous = use_threads(nt)
     for g in prange(q.shape[0]):
-        _rows(_unpack_i8, q, a, b, sc, mn, per, zo, xv, g, out, 0)
+        _rows(_unpack_i8, q, a, b, sc, mn, per, zo, xv, sums, g, out, 0)
     use_threads(previous)
 
 
@@ -155,7 +175,10 @@ def matvec_rows(p: Packed, xv: np.ndarray, terms: np.ndarray | None, planned=Non
             matvec(p, xv[t : t + 1], np.ascontiguousarray(terms[:, t : t + 1]), out[t : t + 1], planned, threads)
         return out
     _, args = planned or plan(p)
-    _ROWS[p.family](threads or get_threads(), *args, xv, out)
+    q = args[0]  # (G, n, S, .): n sub-blocks of S columns
+    sums = np.empty((xv.shape[0], q.shape[1]), np.float32)
+    _sub_sums(xv, q.shape[2], sums)
+    _ROWS[p.family](threads or get_threads(), *args, xv, sums, out)
     return out
 
 
@@ -198,3 +221,13 @@ def linears_rows(backend, x: np.ndarray, ws: tuple) -> list[np.ndarray]:
 
 def _product(backend, x: np.ndarray, p: Packed, planned) -> np.ndarray:
     return matvec_rows(p, x, None, planned, threads=backend._threads_for(x.shape[0] * p.rows * p.cols))
+
+
+def attention_rows(backend, q: np.ndarray, kv: list, scale: float, window=None, softcap=None) -> np.ndarray | None:
+    """`NumbaBackend.attention` of B sequences' last rows (q (B, H, E), kv[b] their keys and values) in one
+    compiled call: row b bit for bit `backend.attention(q[b:b+1], *kv[b], S_b - 1, scale, ...)`. None where
+    that call would not run the numba kernel (the numerics' own attention, e.g. llamacpp's f16 roundings)."""
+    if backend.numerics.attention is not ops.attention:
+        return None
+    macs = q.shape[1] * q.shape[2] * sum(len(k) for k, _ in kv)
+    return _attention_rows(q, kv, scale, window, softcap, threads=backend._threads_for(macs))

@@ -30,12 +30,13 @@ from __future__ import annotations
 
 import numpy as np
 from llvmlite import ir
+from numba import carray
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
 from ._numba import DISABLED
 
-__all__ = ["row_sums"]
+__all__ = ["carray", "f32_pointer", "row_sums"]
 
 I32, I64, F32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
 V8F32 = ir.VectorType(F32, 8)
@@ -161,3 +162,23 @@ def _python_row_sums(vals, xv, s, blk):
 
 
 row_sums = _python_row_sums if DISABLED else _compiled_row_sums()
+
+
+def _compiled_f32_pointer():
+    @intrinsic
+    def f32_pointer(typingctx, address):
+        """The float32 pointer at integer `address` (`ndarray.ctypes.data`): with `carray`, a kernel reads B
+        arrays of different lengths (the KV caches of a batch) from one int64 array of addresses, where a tuple
+        of arrays would compile once per B."""
+        if not isinstance(address, types.Integer):
+            return None
+
+        def codegen(context, builder, signature, args):
+            return builder.inttoptr(args[0], F32.as_pointer())
+
+        return types.CPointer(types.float32)(address), codegen
+
+    return f32_pointer
+
+
+f32_pointer = None if DISABLED else _compiled_f32_pointer()  # NUMBA_DISABLE_JIT: callers pass the arrays instead

@@ -89,7 +89,7 @@ def create_app(
             raise APIError(404, f"model {name!r} is not served here; this server has {model_id!r}", param="model")
 
     # -- generation --------------------------------------------------------------------------------------
-    def jobs(body, prompt: list[int], top: int | None, grammar: str | None) -> list[Job]:
+    def jobs(body, prompt: list[int], top: int | None, grammar: str | None, specials: bool = False) -> list[Job]:
         room = ctx_size - len(prompt)
         if room < 1:
             raise APIError(
@@ -111,6 +111,7 @@ def create_app(
                 raise APIError(400, f"logit_bias: token ids must be in 0..{model.config.vocab_size - 1}", "logit_bias")
             job = Job(prompt, min(max_tokens, room), Sampler(params), body.stops(), top, body.cache_prompt)
             job.constraint = None if grammar is None else Constraint(token_table(tokenizer), grammar)
+            job.specials = specials
             out.append(job)
         return out
 
@@ -179,10 +180,11 @@ def create_app(
         if param == "response_format":  # harmony: in a final message (tools.structured)
             spec = toolcalls.structured(tool_format, spec)
         grammar = await compile_(spec, param)
+        specials = tool_format is not None and tool_format.specials  # its reader tells tags by their tokens
         if grammar is None:
-            jobs_ = jobs(body, prompt, top, None)
+            jobs_ = jobs(body, prompt, top, None, specials)
         else:  # building a grammar's matchers can take a while: not on the event loop
-            jobs_ = await asyncio.to_thread(jobs, body, prompt, top, grammar)
+            jobs_ = await asyncio.to_thread(jobs, body, prompt, top, grammar, specials)
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         obj = "chat.completion" if chat else "text_completion"
         head = {"id": ident, "created": int(time.time()), "model": model_id, "system_fingerprint": "ggufpy"}
@@ -197,12 +199,12 @@ def create_app(
             watcher.cancel()
 
     async def collect(stream, jobs_: list[Job], head, obj, chat: bool, body, tool_format=None) -> dict:
-        texts = [[] for _ in jobs_]
+        texts: list[list[tuple[str, bool]]] = [[] for _ in jobs_]  # (text, is a special token's)
         lps: list[list[Event]] = [[] for _ in jobs_]
         ends: list[Event | None] = [None] * len(jobs_)
         async for i, ev in stream:
             if ev.kind == "text":
-                texts[i].append(ev.text)
+                texts[i].append((ev.text, ev.special))
                 if ev.token >= 0 and ev.logprob is not None:
                     lps[i].append(ev)
             elif ev.kind == "error":
@@ -213,13 +215,13 @@ def create_app(
                 ends[i] = ev
         choices = []
         for i, end in enumerate(ends):
-            text = "".join(texts[i])
+            text = "".join(t for t, _ in texts[i])
             finish = end.finish_reason
             if chat:
                 lp = {"content": [chat_logprobs(e) for e in lps[i]]} if body.logprobs else None
                 message = {"role": "assistant", "content": text}
                 if tool_format is not None:  # calls, and reasoning (harmony), out of the text
-                    message, finish = toolcalls.reply(tool_format, text, finish)
+                    message, finish = toolcalls.reply(tool_format, texts[i], finish)
                 choice = {"index": i, "message": message, "logprobs": lp}
             else:
                 lp = None
@@ -266,7 +268,7 @@ def create_app(
                 if not ev.text:
                     continue
                 if readers is not None:
-                    for chunk in deltas(i, readers[i].feed(ev.text)):
+                    for chunk in deltas(i, readers[i].feed(ev.text, ev.special if tool_format.specials else None)):
                         yield chunk
                     continue
                 lp = None

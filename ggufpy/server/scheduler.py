@@ -43,10 +43,12 @@ IDLE_WAIT = 0.05  # seconds the thread sleeps when there is nothing to do (woken
 @dataclass
 class Event:
     """What a job reports to its client: a piece of text (`kind="text"`), the end (`"done"`, with
-    `finish_reason` and the usage counts) or a failure (`"error"`, with `message`)."""
+    `finish_reason` and the usage counts) or a failure (`"error"`, with `message`). `special`: the text is one
+    special token's, alone in its event (jobs with `Job.specials`)."""
 
     kind: str
     text: str = ""
+    special: bool = False
     token: int = -1
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
@@ -69,6 +71,7 @@ class Job:
     logprobs: int | None = None
     cache_prompt: bool = True  # may reuse (and leave behind) a cached prompt prefix (llama.cpp's `cache_prompt`)
     constraint: Any = None  # a `constrain.Constraint`: the grammar its tokens must follow (structured output)
+    specials: bool = False  # each special token's text in an event of its own (readers of harmony's tags)
     id: int = field(default_factory=itertools.count().__next__)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -121,6 +124,7 @@ class Scheduler:
         self.model, self.parallel, self.ctx_size, self.prefill_chunk = model, parallel, ctx_size, prefill_chunk
         self.tokenizer = model.tokenizer
         self.eog = frozenset(self.tokenizer.eog_ids)
+        self.specials = frozenset(self.tokenizer.vocab.special_tokens)  # control, user-defined, unknown
         self.metrics = Metrics()
         self._waiting: collections.deque[tuple[Job, Callable]] = collections.deque()
         self._exclusive: collections.deque[tuple[Callable, Future]] = collections.deque()
@@ -313,8 +317,11 @@ class Scheduler:
         if token in self.eog:
             self._finish(slot, "stop")
             return
-        text, slot.pending, stopped = split_at_stop(slot.pending + slot.decoder.push(token), job.stop)
-        slot.emit(Event("text", text=text, token=token, logprob=logprob, top_logprobs=top))
+        if job.specials and token in self.specials:
+            stopped = self._special(slot, token, logprob, top)
+        else:
+            text, slot.pending, stopped = split_at_stop(slot.pending + slot.decoder.push(token), job.stop)
+            slot.emit(Event("text", text=text, token=token, logprob=logprob, top_logprobs=top))
         if stopped:
             self._finish(slot, "stop", flush=False)
         elif job.constraint is not None and job.constraint.finished:  # the grammar admits nothing more
@@ -323,6 +330,20 @@ class Scheduler:
             self._finish(slot, "length")
         else:
             slot.next_token = token
+
+    def _special(self, slot: _Slot, token: int, logprob, top) -> bool:
+        """Report special token `token` as an event of its own, after the text before it (all of it: a stop
+        string is matched in the text between special tokens). True when that text held a stop string."""
+        text, keep, stopped = split_at_stop(slot.pending + slot.decoder.flush(), slot.job.stop)
+        slot.pending, before = "", text if stopped else text + keep
+        if before:
+            slot.emit(Event("text", text=before))
+        if stopped:
+            return True
+        slot.decoder = IncrementalDecoder(self.tokenizer, [token])  # the text after it decodes as after it
+        piece = self.tokenizer.decode([token])
+        slot.emit(Event("text", text=piece, token=token, logprob=logprob, top_logprobs=top, special=True))
+        return False
 
     def _finish(self, slot: _Slot, reason: str, message: str = "", flush: bool = True) -> None:
         if slot in self._slots:

@@ -50,6 +50,7 @@ class ToolFormat:
     template_marks: tuple[str, ...] = ()  # text in a chat template that says it renders this format
     always: bool = False  # every reply is in this format, tools or not (harmony's channels)
     calls: bool = True  # calls are read (False: no tools were offered, a call is dropped)
+    specials: bool = False  # its tags are special tokens: the reader takes (text, is special) pieces
 
 
 FORMATS: dict[str, ToolFormat] = {
@@ -57,7 +58,7 @@ FORMATS: dict[str, ToolFormat] = {
     for f in (
         # gpt-oss: `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{args}`; its templates
         # (the real one, llama.cpp's built-in) are the only ones writing <|message|>
-        ToolFormat("harmony", None, None, "arguments", template_marks=("<|message|>",), always=True),
+        ToolFormat("harmony", None, None, "arguments", template_marks=("<|message|>",), always=True, specials=True),
         ToolFormat("hermes", "<tool_call>", "</tool_call>", "arguments", template_marks=("<tool_call>",)),
         # Llama 3.1-3.3: `{"name": ..., "parameters": {...}}`, after <|python_tag|> in some replies
         ToolFormat("llama3", None, None, "parameters", "<|python_tag|>", ("<|python_tag|>", '"parameters"')),
@@ -279,7 +280,8 @@ class ToolCallReader:
         self.whole = fmt.open is None  # Llama 3: a reply that starts as JSON is held to the end
         self.holding_all = False
 
-    def feed(self, text: str) -> list[str | ToolCall]:
+    def feed(self, text: str, special: bool | None = None) -> list[str | ToolCall]:
+        """The pieces `text` completes (`special` is HarmonyReader's; these formats are read from the text)."""
         self.buffer += text
         return self._release(final=False)
 
@@ -365,10 +367,14 @@ def reader(fmt: ToolFormat) -> ToolCallReader | HarmonyReader:
     return HarmonyReader(fmt.calls) if fmt.name == "harmony" else ToolCallReader(fmt)
 
 
-def reply(fmt: ToolFormat, text: str, finish: str) -> tuple[dict, str]:
-    """(the assistant message of a whole reply read in `fmt`, its finish reason: "tool_calls" when it calls)."""
+def reply(fmt: ToolFormat, text: str | list[tuple[str, bool]], finish: str) -> tuple[dict, str]:
+    """(the assistant message of a whole reply read in `fmt`, its finish reason: "tool_calls" when it calls).
+    `text`: the reply, or its (text, is a special token's) pieces as the scheduler reported them."""
     r = reader(fmt)
-    pieces = [*r.feed(text), *r.close()]
+    if isinstance(text, str):
+        pieces = [*r.feed(text), *r.close()]
+    else:
+        pieces = [p for t, special in text for p in r.feed(t, special if fmt.specials else None)] + r.close()
     content, reasoning, calls = merge([p for p in pieces if not isinstance(p, ToolCall)])
     calls = [p.as_openai() for p in pieces if isinstance(p, ToolCall)] + calls
     message = {"role": "assistant", "content": content}

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ...ops import ATTENTION_BUDGET, query_blocks, query_rows
 from .floats import matmul_f16
 from .simd import hsum_float_8, reduce_add_ps_512
 from .unary import V_EXPF, _libm_expf, tanhf_glibc
@@ -153,10 +154,13 @@ def _f16_matmul(w: np.ndarray, a: np.ndarray, isa: str) -> np.ndarray:
     return np.stack([matmul_f16(w, a[h], isa) for h in range(r)])
 
 
-def _attention_groups(q, k, v, start, scale, window, softcap, n_kv, isa, sinks=None):
-    """Yield (g, kq, kq_soft_max, kqv) for each KV group g: (r, T, n_kv), (r, T, n_kv), (r, T, E) for its
-    r = H/G query heads (ggml_mul_mat broadcasting: query head h reads K/V group h // r). One group at a time
-    bounds the temporaries. `sinks` (H,) f32: each query head's sink logit (gpt-oss), or None."""
+def _attention_groups(q, k, v, start, scale, window, softcap, n_kv, isa, sinks=None, budget=ATTENTION_BUDGET):
+    """Yield (g, rows, kq, kq_soft_max, kqv) for each KV group g and block of queries `rows` (a slice of T):
+    (r, t, n_kv), (r, t, n_kv), (r, t, E) for its r = H/G query heads (ggml_mul_mat broadcasting: query head h
+    reads K/V group h // r) and the t queries of the block. A group and a block at a time bound the temporaries
+    by `budget` bytes of scores (`ops.query_rows`); every element is computed as in one block of all T rows
+    (the replayed kernels depend on T only through T >= 2, and every block of T >= 2 rows has >= 2 rows).
+    `sinks` (H,) f32: each query head's sink logit (gpt-oss), or None."""
     T, H, E = q.shape
     S, G, _ = k.shape
     if v.shape != k.shape or H % G:
@@ -167,23 +171,24 @@ def _attention_groups(q, k, v, start, scale, window, softcap, n_kv, isa, sinks=N
         raise ValueError(f"n_kv = {n_kv} cells cannot hold {S} positions")
     r = H // G
     q16 = _f16_rows(q).reshape(T, G, r, E)  # mul_mat converts the f32 queries to F16's vec_dot type
-    k16, v16 = _f16_rows(k), _f16_rows(v)  # the f16 cache
-    mask = _mask(start, T, S, n_kv, window)  # (T, n_kv), the same for every head
+    blocks = query_blocks(T, query_rows(T, n_kv, r, 4, budget))
     for g in range(G):
         kc = np.zeros((n_kv, E), np.float16)  # the K cache view: n_kv rows of E, zeros past S
-        kc[:S] = k16[:, g]
-        kq = _f16_matmul(kc, q16[:, g].transpose(1, 0, 2), isa)  # (r, T, n_kv)
-        if softcap:
-            cap = _f32(softcap)
-            kq = kq * (_f32(1) / cap)  # ggml_scale(kq, 1.0f / cap): the reciprocal in f32, then f32 multiplies
-            kq = tanhf_glibc(kq)  # ggml_tanh: libm `tanhf` per element
-            kq = kq * cap  # ggml_scale(kq, cap)
-        sink = [None] * r if sinks is None else [_f32(s) for s in sinks[g * r : (g + 1) * r]]
-        probs = np.stack([soft_max_ext(kq[h], mask, scale, isa, sink[h]) for h in range(r)])  # a head at a time
+        kc[:S] = _f16_rows(k[:, g])  # the f16 cache
         vt = np.zeros((E, n_kv), np.float16)  # the transposed V cache view: E rows of n_kv cells
-        vt[:, :S] = v16[:, g].T
-        kqv = _f16_matmul(vt, probs.astype(np.float16), isa)  # mul_mat converts kq_soft_max to f16: (r, T, E)
-        yield g, kq, probs, kqv
+        vt[:, :S] = _f16_rows(v[:, g]).T
+        sink = [None] * r if sinks is None else [_f32(s) for s in sinks[g * r : (g + 1) * r]]
+        for rows in blocks:
+            mask = _mask(start + rows.start, rows.stop - rows.start, S, n_kv, window)  # (t, n_kv), every head's
+            kq = _f16_matmul(kc, q16[rows, g].transpose(1, 0, 2), isa)  # (r, t, n_kv)
+            if softcap:
+                cap = _f32(softcap)
+                kq = kq * (_f32(1) / cap)  # ggml_scale(kq, 1.0f / cap): the reciprocal in f32, then f32 multiplies
+                kq = tanhf_glibc(kq)  # ggml_tanh: libm `tanhf` per element
+                kq = kq * cap  # ggml_scale(kq, cap)
+            probs = np.stack([soft_max_ext(kq[h], mask, scale, isa, sink[h]) for h in range(r)])  # a head at a time
+            kqv = _f16_matmul(vt, probs.astype(np.float16), isa)  # mul_mat converts kq_soft_max to f16: (r, t, E)
+            yield g, rows, kq, probs, kqv
 
 
 def attention_parts(
@@ -208,9 +213,9 @@ def attention_parts(
     kq = np.empty((H, T, n_kv), _f32)
     probs = np.empty((H, T, n_kv), _f32)
     out = np.empty((T, H, E), _f32)
-    for g, kq_g, probs_g, kqv_g in _attention_groups(q, k, v, start, scale, window, softcap, n_kv, isa, sinks):
+    for g, rows, kq_g, probs_g, kqv_g in _attention_groups(q, k, v, start, scale, window, softcap, n_kv, isa, sinks):
         heads = slice(g * r, (g + 1) * r)
-        kq[heads], probs[heads], out[:, heads] = kq_g, probs_g, kqv_g.transpose(1, 0, 2)
+        kq[heads, rows], probs[heads, rows], out[rows, heads] = kq_g, probs_g, kqv_g.transpose(1, 0, 2)
     return {"kq": kq, "kq_soft_max": probs, "kqv_out": out.reshape(T, H * E)}
 
 
@@ -224,13 +229,15 @@ def attention(
     softcap: float | None = None,
     isa: str = "avx512",
     sinks: np.ndarray | None = None,
+    budget: int = ATTENTION_BUDGET,
 ) -> np.ndarray:
     """llama.cpp's non-flash attention on x86 (the `isa` build: `simd.ISAS`), bit for bit, with
     `numerics.attention_ggml`'s contract: q (T, H, E) f32 queries at positions start..start+T-1 (after RoPE,
     and for gemma after the f32 Q scaling); k, v (S, G, E) the keys and values of positions 0..S-1 (rounded to
     f16 here, as the cache stores them); `window` the sliding window; `softcap` gemma2's attention logit
     softcap; `sinks` (H,) gpt-oss's per-head sink logits (`soft_max_ext`). Returns kqv_out (T, H*E) f32, the
-    heads side by side (`ggml_cont_2d` of the permuted kqv).
+    heads side by side (`ggml_cont_2d` of the permuted kqv). The queries go in blocks of at most `budget` bytes
+    of scores per KV group (memory O(rows x S), not O(T x S)); the result does not depend on the block.
 
     `scale` is used as an f32: pass llama.cpp's `kq_scale` as it computes it, `np.float32(1) /
     np.sqrt(np.float32(E))` (1.0f/sqrtf(E)); float32(1/sqrt(E)) from a float64 differs in the last bit for
@@ -242,6 +249,6 @@ def attention(
     out = np.empty((T, H, E), _f32)
     r = H // k.shape[1]
     n_kv = n_kv_cells(k.shape[0])
-    for g, _, _, kqv in _attention_groups(q, k, v, start, scale, window, softcap, n_kv, isa, sinks):
-        out[:, g * r : (g + 1) * r] = kqv.transpose(1, 0, 2)
+    for g, rows, _, _, kqv in _attention_groups(q, k, v, start, scale, window, softcap, n_kv, isa, sinks, budget):
+        out[rows, g * r : (g + 1) * r] = kqv.transpose(1, 0, 2)
     return out.reshape(T, H * E)
