@@ -238,14 +238,16 @@ def test_default_engine_perplexity_is_near_llamacpps(name):
 
 
 @pytest.mark.conformance
-def test_goldens_are_what_llamacpp_computes_now():
-    """Live: re-record with the installed llama.cpp and compare (skips without the conformance extra)."""
+@pytest.mark.parametrize("name", ["smollm2", "smollm2-q4_k_m"])
+def test_goldens_are_what_llamacpp_computes_now(name):
+    """Live: re-record with the installed llama.cpp (its quantizer too) and compare (skips without the
+    conformance extra)."""
     pytest.importorskip("llama_cpp")
     from conformance.record_perplexity import CASES, record
 
-    g = _golden("smollm2")
-    live = record("smollm2", *CASES["smollm2"])
-    assert live["tokens"] == g["tokens"]
+    g = _golden(name)
+    live = record(name, *CASES[name])
+    assert live["tokens"] == g["tokens"] and live.get("sha256") == g.get("sha256")
     assert live["ppl"] == pytest.approx(g["ppl"], rel=1e-12)
 
 
