@@ -28,14 +28,15 @@ from ..constants import GGMLType
 from ..numerics import NUMERICS, Numerics, attention_x86, rope_ggml
 from ..weights import QuantTensor
 from . import activations as act
-from . import glue_ggml, int8dot, unpack_numpy, x86
+from . import glue_ggml, int8dot, x86
 from . import ops as kernel_ops
-from ._numba import compile_in_background, load_cached, set_threads, signature
+from ._numba import set_threads
 from .attention import _attention as _attention_kernel
 from .attention import attention as _attention
+from .compile_ahead import CompileAhead
 from .dequant import dequantize_blocks
 from .layout import GROUP, PACKED_TYPES, Packed, pack, trim_heap
-from .matvec import _FAMILY, _NO_TERMS, _scale_args, _unpack_t, matvec, plan, unpack
+from .matvec import matvec, plan
 from .rawblocks import BLOCK_TYPES
 
 __all__ = ["VEC_DOT", "NumbaBackend", "linear_types"]
@@ -144,7 +145,7 @@ class CpuContention:
         return self.contended
 
 
-class NumbaBackend:
+class NumbaBackend(CompileAhead):
     """Fused dequantize-and-multiply kernels over repacked weights (see `ggufpy.kernels`).
 
     `threads`: parallel kernel threads (default: the cores this process may use); products of fewer than
@@ -388,55 +389,6 @@ class NumbaBackend:
         NUMERICS["llamacpp-avx2"].activations["silu"]: functools.partial(x86.silu_rows, isa="avx2"),
     }
 
-    # -- compiling ahead (a cold numba cache: `ggufpy.cli.run.prepare_kernels`) -------------------------------
-    def row_kernels(self, weights: Iterable[QuantTensor | None], attention: bool = False) -> list[tuple]:
-        """[(kernel, argument types)] of the one-row products with `weights` (decode; the head after a prefill)
-        and, with `attention`, of one query's attention, in the exact numerics (the kernels `matvec` and
-        `attention` pick for those arguments); [] in the llamacpp numerics, whose paths are not listed here."""
-        if self.numerics.quantize_activations or self.numerics.attention is not ops.attention:
-            return []
-        jobs: dict[tuple, None] = {}
-        one = np.zeros((1, GROUP), np.float32)  # only the types count: 2-D f32, C order, as `linear` passes
-        for w in weights:
-            if w is None or w.type not in PACKED_TYPES or len(w.shape) != 2 or w.type in BLOCK_TYPES:
-                continue
-            (row, _), args = plan(self.packed(w))
-            jobs[row, signature((self.threads, *args, one, _NO_TERMS, True, one))] = None
-        if attention:
-            q = np.zeros((1, 1, 1), np.float32)  # (T, H, E); keys and values (S, G, E) alike
-            args = (self.threads, q, q, q, 0, np.float32(1), 0, np.float32(0), q)
-            jobs[_attention_kernel, signature(args)] = None
-        return list(jobs)
-
-    def unpack_kernels(self, weights: Iterable[QuantTensor | None]) -> list[tuple]:
-        """[(kernel, argument types)] of the BLAS tiles' unpacking of `weights` (a prefill of `blas_rows` rows
-        or more), which runs in NumPy, bit for bit, while `compile_ahead` compiles them."""
-        jobs: dict[tuple, None] = {}
-        tile = np.zeros((1, GROUP), np.float32)
-        for w in weights:
-            if w is None or w.type not in PACKED_TYPES or len(w.shape) != 2 or w.type in BLOCK_TYPES:
-                continue
-            p = self.packed(w)
-            jobs[_unpack_t, signature((1, p.q, _FAMILY[p.family], *_scale_args(p), p.zo, 0, tile))] = None
-        return list(jobs)
-
-    def compile_ahead(self, kernels: Iterable[tuple]) -> None:
-        """Compile these (kernel, argument types) in the background (`_numba.compile_in_background`: from the
-        disk cache, else in a worker process on the other core). A one-row call that needs one of them waits
-        for it (`await_compiles`) rather than compiling it a second time in this process."""
-        for kernel, sig in kernels:
-            if load_cached(kernel, sig):  # here, now: a warm cache starts no worker
-                continue
-            done = compile_in_background(kernel, sig, check_cache=False)
-            if not done.is_set():
-                self._pending.setdefault(kernel, []).append(done)
-
-    def await_compiles(self, kernel=None) -> None:
-        """Wait until the compiles `compile_ahead` started for `kernel` (None: for every kernel) are loaded."""
-        for k in [kernel] if kernel is not None else list(self._pending):
-            for done in self._pending.pop(k, ()):
-                done.wait()
-
     # -- weights -------------------------------------------------------------------------------------------
     def packed(self, w: QuantTensor) -> Packed:
         """The repacked form of `w`, made on first use and cached."""
@@ -489,16 +441,6 @@ class NumbaBackend:
             b = p.scales("b").transpose(0, 2, 1).reshape(-1, p.n_sub)[: p.rows]  # (rows, n)
             y += correction @ b.T
         return y
-
-    def _unpack(self, p: Packed, g0: int, g1: int, out: np.ndarray) -> np.ndarray:
-        """`matvec.unpack` on one numba thread (BLAS runs its own threads next, and two spinning pools would
-        fight), or, while `compile_ahead` compiles its kernel elsewhere, its NumPy replay: the same bits."""
-        pending = self._pending.get(_unpack_t) if self._pending and p.family != "blocks" else None
-        if pending:
-            if not all(done.is_set() for done in pending):
-                return unpack_numpy.unpack(p, g0, g1, out)
-            del self._pending[_unpack_t]
-        return unpack(p, g0, g1, out, threads=1)
 
     def _float_linear(self, x: np.ndarray, w: QuantTensor) -> np.ndarray:
         rows, cols = w.shape
