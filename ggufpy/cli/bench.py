@@ -59,7 +59,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _llamacpp_child(path, threads: int, n_prompt: int, n_decode: int) -> dict:
+def llamacpp_child(path, threads: int, n_prompt: int, n_decode: int) -> dict:
+    """llama.cpp (llama-cpp-python) loaded and timed in a fresh process, as `bench.run_child` does ggufpy."""
     args = [str(path), str(threads), str(n_prompt), str(n_decode)]
     done = subprocess.run([sys.executable, "-c", _LLAMACPP_CHILD, *args], capture_output=True, text=True, check=False)
     if done.returncode:
@@ -95,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
     for _ in range(args.rounds):
         for engine in engines:
             if engine == "llama.cpp":
-                r = _llamacpp_child(path, args.threads, n_prompt, n_decode)
+                r = llamacpp_child(path, args.threads, n_prompt, n_decode)
             else:
                 r = bench.run_child(path, engine, args.threads, n_prompt, n_decode, numerics=args.numerics)
             results.setdefault(engine, []).append(r)
