@@ -3,10 +3,12 @@ Llama-3.1-8B dimensions with a 269-token vocabulary (so the head is negligible),
 
     python scripts/size_models.py [--sizes 1B 3B 8B] [--types Q8_0 Q4_0 Q4_K_M]
 
-The Q8_0 file is written block by block from random bytes (an int8 quant uniform in [-127, 127] and one fp16
-scale per 32 weights, so each row has std ~1/sqrt(cols)), streamed tensor by tensor: an 8B file needs ~60 MB of
-memory and a few seconds per GB. The other types are llama.cpp's own requantizations of it
-(`ggufpy.kernels.bench.requantized`, llama-cpp-python). Files go to ~/.cache/ggufpy/bench and are reused.
+Each file is written block by block from random bytes, tensor by tensor (an 8B file needs ~60 MB of memory and
+a few seconds per GB): random quants and fixed fp16 scales chosen so that each row has a std of about
+1/sqrt(cols). The tensor types are llama.cpp's mixes (llama-quant.cpp): Q8_0 and Q4_0 everywhere but the
+head (Q6_K for Q4_0), Q4_K_M with Q6_K for the head and for attn_v / ffn_down in the layers `use_more_bits`
+picks. Requantizing with llama.cpp gives the same types but takes ~10 minutes per GB for Q4_K_M on these 2
+cores; the speed of a product does not depend on the values. Files go to ~/.cache/ggufpy/bench and are reused.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = Path.home() / ".cache" / "ggufpy" / "bench"
-Q8_0_BLOCK, Q8_0_BYTES = 32, 34
 
 
 @dataclass(frozen=True)
@@ -46,13 +47,45 @@ SIZES = {
 }
 
 
-def _q8_0_blocks(rng: np.random.Generator, rows: int, cols: int, std: float) -> np.ndarray:
-    """Random Q8_0 bytes (rows, cols / 32 * 34): uniform quants in [-127, 127] times d = std * sqrt(3) / 127."""
-    nb = rows * cols // Q8_0_BLOCK
-    blocks = np.empty((nb, Q8_0_BYTES), np.uint8)
-    blocks[:, :2] = np.frombuffer(np.float16(std * np.sqrt(3) / 127).tobytes() * nb, np.uint8).reshape(nb, 2)
-    blocks[:, 2:] = rng.integers(-127, 128, (nb, Q8_0_BLOCK), dtype=np.int8).view(np.uint8)
-    return blocks.reshape(rows, -1)
+def _f16_bytes(v: float, n: int) -> np.ndarray:
+    return np.frombuffer(np.float16(v).tobytes() * n, np.uint8).reshape(n, 2)
+
+
+def _random_blocks(rng: np.random.Generator, t: str, n: int, std: float) -> np.ndarray:
+    """n random blocks of type t (uint8 (n, type size)) whose values have a std of about `std`."""
+    u8 = lambda k: rng.integers(0, 256, (n, k), dtype=np.uint8)  # noqa: E731
+    if t == "Q8_0":  # d, 32 x int8: uniform in [-127, 127] has std 127 / sqrt(3)
+        q = rng.integers(-127, 128, (n, 32), dtype=np.int8).view(np.uint8)
+        return np.hstack([_f16_bytes(std * np.sqrt(3) / 127, n), q])
+    if t == "Q4_0":  # d, 16 bytes of nibbles: q - 8 has std ~4.6
+        return np.hstack([_f16_bytes(std / 4.6, n), u8(16)])
+    if t == "Q4_K":  # d, dmin, 12 bytes of 6-bit scales/mins (mean ~32), 128 bytes of nibbles (mean 7.5)
+        d = std / (32 * 4.6)
+        return np.hstack([_f16_bytes(d, n), _f16_bytes(7.5 * d, n), u8(12), u8(128)])
+    if t == "Q6_K":  # ql, qh, 16 int8 scales (here 1..64), d: q - 32 has std ~18.5
+        scales = rng.integers(1, 65, (n, 16), dtype=np.uint8)
+        return np.hstack([u8(128), u8(64), scales, _f16_bytes(std / (32 * 18.5), n)])
+    raise ValueError(f"no random block writer for {t}")
+
+
+BLOCK = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_K": (256, 144), "Q6_K": (256, 210)}  # elements, bytes
+
+
+def _use_more_bits(i: int, n: int) -> bool:
+    """llama-quant.cpp's choice of the layers whose attn_v / ffn_down get more bits in the _M mixes."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def tensor_type(ftype: str, name: str, n_layers: int) -> str:
+    """The type llama.cpp's mix `ftype` gives a 2-D tensor."""
+    if name == "output.weight":
+        return "Q8_0" if ftype == "Q8_0" else "Q6_K"
+    if ftype != "Q4_K_M":
+        return ftype
+    parts = name.split(".")
+    if parts[0] == "blk" and parts[2] in ("attn_v", "ffn_down") and _use_more_bits(int(parts[1]), n_layers):
+        return "Q6_K"
+    return "Q4_K"
 
 
 def _tensors(d: Dims, vocab: int):
@@ -73,14 +106,14 @@ def _tensors(d: Dims, vocab: int):
     yield "output.weight", (vocab, d.dim), d.dim**-0.5
 
 
-def write_q8_0(path: Path, d: Dims, seed: int = 0) -> Path:
-    """The model in Q8_0 (norms F32), written tensor by tensor."""
+def write_model(path: Path, d: Dims, ftype: str, seed: int = 0) -> Path:
+    """The model in llama.cpp's mix `ftype` (norms F32), written tensor by tensor."""
     sys.path.insert(0, str(ROOT))
     from conformance.fixtures import CHAT_TEMPLATE, MERGES, _tokens
 
     tokens, token_types = _tokens()
     w = gguf.GGUFWriter(str(path), "llama")
-    w.add_name(f"synthetic-llama-{path.stem}")
+    w.add_name(path.stem)
     w.add_context_length(131072)
     w.add_embedding_length(d.dim)
     w.add_block_count(d.n_layers)
@@ -101,40 +134,39 @@ def write_q8_0(path: Path, d: Dims, seed: int = 0) -> Path:
     w.add_add_bos_token(False)
     w.add_chat_template(CHAT_TEMPLATE)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
-    specs = list(_tensors(d, len(tokens)))
-    for name, shape, std in specs:
+    w.add_file_type(getattr(gguf.LlamaFileType, f"MOSTLY_{ftype}"))
+    specs = []
+    for name, shape, std in _tensors(d, len(tokens)):
         if std is None:
             w.add_tensor_info(name, shape, np.dtype(np.float32), 4 * shape[0])
-        else:
-            rows, cols = shape
-            nbytes = rows * cols // Q8_0_BLOCK * Q8_0_BYTES
-            w.add_tensor_info(name, (rows, nbytes // rows), np.dtype(np.uint8), nbytes, gguf.GGMLQuantizationType.Q8_0)
+            specs.append((name, shape, std, None))
+            continue
+        t = tensor_type(ftype, name, d.n_layers)
+        (rows, cols), (elements, size) = shape, BLOCK[t]
+        nbytes = rows * cols // elements * size
+        w.add_tensor_info(name, (rows, nbytes // rows), np.dtype(np.uint8), nbytes, gguf.GGMLQuantizationType[t])
+        specs.append((name, shape, std, t))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     rng = np.random.default_rng(seed)
-    for _name, shape, std in specs:
-        if std is None:  # norm weights around 1
+    for _name, shape, std, t in specs:
+        if t is None:  # norm weights around 1
             w.write_tensor_data((1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32))
         else:
-            w.write_tensor_data(_q8_0_blocks(rng, *shape, std))
+            rows, cols = shape
+            w.write_tensor_data(_random_blocks(rng, t, rows * cols // BLOCK[t][0], std).reshape(rows, -1))
     w.close()
     return path
 
 
 def model(size: str, ftype: str = "Q8_0") -> Path:
-    """~/.cache/ggufpy/bench/synthetic-llama-{size}.Q8_0[.{ftype}].gguf, written on first use."""
+    """~/.cache/ggufpy/bench/synthetic-llama-{size}.{ftype}.gguf, written on first use."""
     CACHE.mkdir(parents=True, exist_ok=True)
-    base = CACHE / f"synthetic-llama-{size}.Q8_0.gguf"
-    if not base.exists():
-        tmp = write_q8_0(base.with_suffix(".tmp"), SIZES[size])
-        tmp.replace(base)
-    if ftype == "Q8_0":
-        return base
-    from ggufpy.kernels.bench import requantized
-
-    return requantized(base, ftype)
+    path = CACHE / f"synthetic-llama-{size}.{ftype}.gguf"
+    if not path.exists():
+        write_model(path.with_suffix(".tmp"), SIZES[size], ftype).replace(path)
+    return path
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -215,3 +215,23 @@ def test_cli_numerics_choices_are_the_numerics_modes():
     from ggufpy.numerics import NUMERICS
 
     assert set(NUMERICS_MODES) == set(NUMERICS)
+
+
+@pytest.mark.parametrize("flag", ["llamacpp-avx2", "host"])
+def test_numerics_flag_runs_that_numerics(tiny_llama_path, capsys, monkeypatch, flag):
+    """`--numerics` loads the model in that arithmetic (host: this CPU's llama.cpp build), and the text is that
+    model's greedy continuation."""
+    from ggufpy import loading
+    from ggufpy.numerics import host_llamacpp_mode
+
+    asked = []
+    real_load = loading.load
+    monkeypatch.setattr(loading, "load", lambda *a, **kw: asked.append(kw["numerics"]) or real_load(*a, **kw))
+    argv = ["run", "-m", str(tiny_llama_path), "--backend", "numpy", "-p", "the cat", "-n", "6", "--temp", "0"]
+    assert main([*argv, "--numerics", flag]) == 0
+    mode = host_llamacpp_mode() if flag == "host" else flag
+    assert asked == [mode]
+    model = real_load(tiny_llama_path, backend="numpy", numerics=mode)
+    ids = model.tokenizer.encode("the cat")
+    expected = generate_text(model, model.tokenizer, ids, max_tokens=6, sampling=SamplingParams.greedy()).text
+    assert capsys.readouterr().out.rstrip("\n") == expected.rstrip("\n")

@@ -38,6 +38,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def resolve_numerics(name: str) -> str:
+    """ "host" -> the mode replaying the llama.cpp build this CPU runs (`numerics.host_llamacpp_mode`)."""
+    if name != "host":
+        return name
+    from ..numerics import host_llamacpp_mode
+
+    return host_llamacpp_mode()
+
+
 def note_numerics(mode: str) -> None:
     """One stderr line when `--numerics llamacpp` (the replay of llama.cpp's AVX-512 build, the goldens') is asked
     on a CPU whose llama.cpp runs the AVX2 kernels, which round differently (docs/conformance.md)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import NUMERICS_MODES, note_numerics
+from . import NUMERICS_MODES, note_numerics, resolve_numerics
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -36,7 +36,6 @@ def run(args: argparse.Namespace) -> int:
     from ..imatrix import compute_imatrix
     from ..loading import load
     from ..perplexity import default_text, make_chunks
-    from .perplexity import resolve_numerics
 
     numerics = resolve_numerics(args.numerics)
     note_numerics(numerics)

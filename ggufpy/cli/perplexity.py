@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import NUMERICS_MODES, note_numerics
+from . import NUMERICS_MODES, note_numerics, resolve_numerics
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -40,15 +40,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     group.add_argument("--save-logits", metavar="FILE", help="save log-probabilities (llama.cpp's KL base format)")
     group.add_argument("--kl-base", metavar="FILE", help="KL-divergence against a saved base")
     p.set_defaults(func=run)
-
-
-def resolve_numerics(name: str) -> str:
-    """ "host" -> the mode replaying the llama.cpp build this CPU runs (`numerics.host_llamacpp_mode`)."""
-    if name != "host":
-        return name
-    from ..numerics import host_llamacpp_mode
-
-    return host_llamacpp_mode()
 
 
 def _print_chunk(i: int, value: float) -> None:

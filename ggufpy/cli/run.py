@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 
-from . import UsageError
+from . import NUMERICS_MODES, UsageError, note_numerics, resolve_numerics
 
 DEFAULT_MAX_TOKENS = 256
 COMPLETION_TEMP = 0.8  # llama.cpp's default for plain completion
@@ -54,6 +54,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         help=f"GGUF file or packaged model: {describe_packaged()} (default: smollm2, SmolLM2-135M-Instruct)",
     )
     p.add_argument("--backend", default=None, help="numpy or numba (default: numba when installed)")
+    p.add_argument(
+        "--numerics",
+        default="exact",
+        choices=(*NUMERICS_MODES, "host"),
+        help="exact (float32, the default) or llama.cpp's arithmetic: host = the build this CPU runs, whose integer "
+        "kernels decode 4-bit models faster (docs/performance.md)",
+    )
     p.add_argument(
         "-c",
         "--ctx-size",
@@ -143,7 +150,9 @@ def load_model(args: argparse.Namespace):
     if getattr(args, "ray", None):
         model = load_pipeline(args)
     else:
-        model = load(args.model, backend=args.backend)  # None: numba when it imports, else numpy
+        numerics = resolve_numerics(getattr(args, "numerics", "exact"))
+        note_numerics(numerics)
+        model = load(args.model, backend=args.backend, numerics=numerics)  # backend None: numba when it imports
     return model, time.perf_counter() - t0
 
 
@@ -166,6 +175,7 @@ def load_pipeline(args: argparse.Namespace, max_sequences: int = 1):
             backend=args.backend or "numba",
             ctx_size=min(args.ctx_size or 1 << 62, read_config(args.model).context_length),
             max_sequences=max_sequences,
+            numerics=resolve_numerics(getattr(args, "numerics", "exact")),
             hidden_dtype="float16" if args.hidden_f16 else "float32",
         )
     except PlanError as e:
