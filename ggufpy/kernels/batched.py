@@ -34,7 +34,8 @@ import numpy as np
 
 from .. import ops
 from . import rawblocks
-from ._numba import get_threads, jit, prange, use_threads
+from ._numba import DISABLED, get_threads, jit, prange, use_threads
+from .attention import _attention_rows as _attention_rows_kernel
 from .attention import attention_rows as _attention_rows
 from .backend import FLOAT_TYPES
 from .batched_ir import row_sums
@@ -230,4 +231,30 @@ def attention_rows(backend, q: np.ndarray, kv: list, scale: float, window=None, 
     if backend.numerics.attention is not ops.attention:
         return None
     macs = q.shape[1] * q.shape[2] * sum(len(k) for k, _ in kv)
-    return _attention_rows(q, kv, scale, window, softcap, threads=backend._threads_for(macs))
+    threads = backend._threads_for(macs)
+    keys = values = [None]
+    if not DISABLED:  # `attention.attention_rows`'s call, with the addresses read through numba
+        keys, values = [_address(k) for k, _ in kv], [_address(v) for _, v in kv]
+    if None in keys or None in values:
+        return _attention_rows(q, kv, scale, window, softcap, threads=threads)
+    B, H, E = q.shape
+    out = np.empty((B, H, E), np.float32)
+    lengths = np.array([len(k) for k, _ in kv], np.int64)
+    q = np.ascontiguousarray(q, np.float32)
+    rest = (kv[0][0].shape[1], np.float32(scale), int(window or 0), np.float32(softcap or 0.0), out)
+    _attention_rows_kernel(threads, q, np.array(keys, np.int64), np.array(values, np.int64), lengths, *rest)
+    return out.reshape(B, H * E)
+
+
+@jit
+def _data(a):
+    return a.ctypes.data
+
+
+def _address(view: np.ndarray) -> int | None:
+    """The data address of `view`, a cache's first rows (`KVCache.update`'s k[layer][:end]), through numba: NumPy's
+    `.ctypes.data` costs microseconds, and a step asks for two per row and layer. None for anything but a
+    C-contiguous f32 array (the caller then takes `attention.attention_rows`, which copies what it must)."""
+    if view.dtype != np.float32 or not view.flags.c_contiguous:
+        return None
+    return _data(view)

@@ -74,7 +74,9 @@ def measure(url: str, streams: int, gen_tokens: int, banned: dict[str, float]) -
         t0 = time.perf_counter()
         tokens = sum(pool.map(lambda p: _one(url, p, gen_tokens, banned), prompts))
         seconds = time.perf_counter() - t0
-    return {"streams": streams, "tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds}
+    # the 1-minute load average as it ends: on a shared machine a figure means little without it
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    return {"streams": streams, "tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds, "load": load}
 
 
 def run_engine(engine: str, path, streams: list[int], gen_tokens: int, threads: int, banned) -> list[dict]:
@@ -124,4 +126,7 @@ def table(results: dict[str, list[dict]]) -> str:
         if len(engines) == 2:
             cells.append(f"{results[engines[0]][i]['tok_s'] / results[engines[1]][i]['tok_s']:.2f}x")
         lines.append("| " + " | ".join(cells) + " |")
+    loads = [e + " " + ", ".join(f"{r['load']:.1f}" for r in results[e]) for e in engines if "load" in results[e][0]]
+    if loads:
+        lines.append("\nload average (1 min) at the end of each row: " + "; ".join(loads))
     return "\n".join(lines)

@@ -6,16 +6,19 @@
 
 The thread owns the model. Each step it
 1. admits waiting jobs into free slots (a slot is a KV cache of `ctx_size` positions and the job's state);
-2. prefills one chunk (`prefill_chunk` tokens) of one slot whose prompt is not in yet, taking the slots in
-   turn, so a long prompt delays the others by one chunk per step, not by its whole length;
-3. decodes one token for every slot past its prompt with `Model.decode_batch`: one pass over the weights
-   for all of them, each row bit-identical to that sequence decoded alone (batch invariance).
+2. prefills one chunk (`prefill_chunk` tokens) of one slot whose long prompt is not in yet, taking the slots
+   in turn, so a long prompt delays the others by one chunk per step, not by its whole length;
+3. decodes one token for every slot past its prompt, and prefills up to `prefill_chunk` tokens of the short
+   prompts (fewer than `prefill_chunk` tokens), all in one `Model.prefill_batch` pass: one pass over the
+   weights for all of those rows, each bit-identical to that token decoded alone (batch invariance).
 A job whose client went away (`Job.cancel`) or that finished frees its slot before the next step.
 
-Determinism: a job's chunk boundaries depend only on its own prompt (multiples of `prefill_chunk` from
-position 0), its first token comes from its prefill's last row, every later token from its own row of the
-batched decode, and its sampler has its own seeded generator: so at temperature 0, or with a seed, a response
-is token for token the same whatever else is running.
+Determinism: a long prompt's chunk boundaries depend only on itself (multiples of `prefill_chunk` from
+position 0), a short prompt's rows are each computed as that token decoded alone (so it does not matter how
+they are cut between steps), every later token comes from its own row of the batched pass, and a job's
+sampler has its own seeded generator: so at temperature 0, or with a seed, a response is token for token the
+same whatever else is running. Models other than `Model` (`RayPipeline`, wrappers) have no `prefill_batch`:
+their prompts all take step 2 and their decode `decode_batch`.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from ..backend import one_blas_thread
 from ..generation import IncrementalDecoder, split_at_stop
 from ..kvcache import ContextLengthError
 from ..sampling import Sampler, softmax
+from ..transformer import Model
 
 PREFILL_CHUNK = 64  # prompt tokens per prefill step: another slot waits at most one chunk for its next token
 IDLE_WAIT = 0.05  # seconds the thread sleeps when there is nothing to do (woken early by a new job)
@@ -132,6 +136,8 @@ class Scheduler:
         self._cached: list[tuple[list[int], object]] = []  # (prompt ids, KV cache) of finished requests, oldest first
         self.cached_prompts = parallel  # how many finished requests' caches are kept for reuse
         self._turn = 0  # which prefilling slot goes next
+        # short prompts and decode in one `prefill_batch` pass: on a `Model` whose layers all allow it
+        self.rows_prefill = isinstance(model, Model) and model.rows_prefill
         self._wake = threading.Condition()
         self._running = False
         self._thread: threading.Thread | None = None
@@ -197,7 +203,10 @@ class Scheduler:
                 self._slots.append(slot)
             self._drop_cancelled()
             self._prefill_one()
-            self._decode_all()
+            if self.rows_prefill:
+                self._pass_rows()
+            else:
+                self._decode_all()
             self.metrics.slots_busy = len(self._slots)
         for slot in self._slots:  # shutting down: tell the clients
             self._finish(slot, "error", "the server is shutting down")
@@ -249,8 +258,14 @@ class Scheduler:
         for slot in [s for s in self._slots if s.job.cancelled.is_set()]:
             self._finish(slot, "cancelled")
 
+    def _short(self, slot: _Slot) -> bool:
+        """Whether `slot`'s prompt goes through `_pass_rows` (per-row kernels: cheaper than a call of its own
+        for a few tokens) rather than `_prefill_one` (BLAS chunks: cheaper per row for long prompts). A rule on
+        the prompt alone, and below one chunk, so such a prompt's cache is never remembered for reuse."""
+        return self.rows_prefill and len(slot.job.prompt) < self.prefill_chunk
+
     def _prefill_one(self) -> None:
-        filling = [s for s in self._slots if s.prefilled < len(s.job.prompt)]
+        filling = [s for s in self._slots if s.prefilled < len(s.job.prompt) and not self._short(s)]
         if not filling:
             return
         slot = filling[self._turn % len(filling)]
@@ -271,6 +286,45 @@ class Scheduler:
         slot.prefilled += len(chunk)
         if slot.prefilled == len(slot.job.prompt):
             self._sampled(slot, logits)
+
+    def _pass_rows(self) -> None:
+        """One `prefill_batch` pass: the next token of every decoding slot, and the prompt tokens of short-prompt
+        slots (at most `prefill_chunk` of them, slots in order) behind them."""
+        ready = [s for s in self._slots if s.next_token is not None]
+        chunks = [[s.next_token] for s in ready]
+        budget = self.prefill_chunk
+        for s in self._slots:
+            if budget > 0 and s.prefilled < len(s.job.prompt) and self._short(s):
+                chunks.append(s.job.prompt[s.prefilled : s.prefilled + budget])
+                budget -= len(chunks[-1])
+                ready.append(s)
+        if not ready:
+            return
+        t0 = time.perf_counter()
+        try:
+            logits = self.model.prefill_batch(chunks, [s.cache.length for s in ready], [s.cache for s in ready])
+        except Exception as e:  # a bug, not a client error: fail these jobs, keep serving
+            for s in ready:
+                self._finish(s, "error", f"decode failed: {e}")
+            return
+        dt = time.perf_counter() - t0
+        decoding = sum(s.next_token is not None for s in ready)
+        rows = sum(map(len, chunks))
+        if decoding:  # the pass's time shared between decode and prefill by their rows
+            self.metrics.decode_steps_total += 1
+            self.metrics.decode_tokens_total += decoding
+            self.metrics.decode_seconds_total += dt * decoding / rows
+            self.metrics.last_decode_tokens_per_second = decoding / dt if dt > 0 else 0.0
+        self.metrics.prefill_tokens_total += rows - decoding
+        self.metrics.prefill_seconds_total += dt * (rows - decoding) / rows
+        for slot, chunk, row in zip(ready, chunks, logits, strict=True):
+            if slot.next_token is not None:
+                slot.next_token = None
+                self._sampled(slot, row)
+                continue
+            slot.prefilled += len(chunk)
+            if slot.prefilled == len(slot.job.prompt):
+                self._sampled(slot, row)
 
     def _decode_all(self) -> None:
         ready = [s for s in self._slots if s.next_token is not None]
