@@ -258,7 +258,12 @@ def expert_products(
 ) -> list[np.ndarray]:
     """Row (t, k) of x (T, D) or (T, K, D) times expert chosen[t, k] of each of `ws` (stacks sharing their input,
     like gate and up): [(T, K, out)]. Each expert multiplies all the rows routed to it at once, as
-    `ggml_mul_mat_id` does, and only the chosen experts are read."""
+    `ggml_mul_mat_id` does, and only the chosen experts are read. A backend with `expert_products` (numba's
+    expert stacks) may compute all the routed rows in one call; None from it means this path."""
+    stacked = getattr(backend, "expert_products", None)
+    ys = stacked(x, ws, chosen) if stacked is not None else None
+    if ys is not None:
+        return ys
     T, K = chosen.shape
     outs = [np.empty((T, K, w.shape[1]), _f32) for w in ws]
     if T == 1:  # decode: slot k is expert chosen[0, k] (top-k picks distinct experts)
@@ -338,7 +343,8 @@ def feed_forward(
 ) -> np.ndarray:
     """The mixture-of-experts feed-forward of one layer: x (T, D) -> (T, D). `act` is the gate activation
     (the numerics' SiLU, or the backend's compiled form of it); `k` the experts used per token."""
-    softmax = functools.partial(softmax_ggml, isa=numerics.x86_isa) if numerics.x86_kernels else softmax_exact
+    ggml_softmax = getattr(backend, "compiled", {}).get(softmax_ggml, softmax_ggml)  # numba's: the same bits
+    softmax = functools.partial(ggml_softmax, isa=numerics.x86_isa) if numerics.x86_kernels else softmax_exact
     expf = functools.partial(_libm_f32, "expf") if numerics.x86_kernels else _expf_exact  # scalar C loops call expf
     logits = backend.linear(x, w.ffn_gate_inp)  # (T, X)
     if w.ffn_gate_inp_bias is not None:

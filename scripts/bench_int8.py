@@ -85,10 +85,11 @@ def run_model(path: Path, engines, rounds: int, n_prompt: int, n_decode: int, th
     return {e: bench.best_of(s) for e, s in best.items()} | {"_load": load_s}
 
 
-def micro(threads: int, rounds: int = 7) -> None:
-    """Decode matvec (one activation row) at Llama-3.2-1B's shapes: f32-lane vs integer kernels, llamacpp
-    numerics. Timed in CPU seconds of this process (`time.process_time`): on a shared machine the wall clock
-    of a fork-join kernel mostly measures waiting for a time slice; on one thread CPU time is the work."""
+def micro(threads: int, rounds: int = 7, n_rows: int = 1) -> None:
+    """Decode matvec (one activation row; `n_rows` > 1: a prefill of that many) at Llama-3.2-1B's shapes:
+    f32-lane vs integer kernels, llamacpp numerics. Timed in CPU seconds of this process (`time.process_time`):
+    on a shared machine the wall clock of a fork-join kernel mostly measures waiting for a time slice; on one
+    thread CPU time is the work."""
     from ggufpy.constants import GGMLType
     from ggufpy.kernels import int8dot
     from ggufpy.kernels.backend import NumbaBackend
@@ -97,9 +98,9 @@ def micro(threads: int, rounds: int = 7) -> None:
 
     f32 = NumbaBackend(NUMERICS["llamacpp"], threads=threads, adaptive=False, int8=False)
     rng = np.random.default_rng(0)
-    print(f"{threads} thread(s); CPU ms per product; GB/s of file data per thread")
-    print("| type | shape | f32-lane kernels | integer kernels | speed-up | integer GB/s |")
-    print("| --- | --- | ---: | ---: | ---: | ---: |")
+    print(f"{threads} thread(s), {n_rows} activation row(s); CPU ms per product; GB/s of file data per thread")
+    print("| type | shape | f32-lane kernels | integer kernels | speed-up | integer GB/s | integer GMAC/s |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
     for t in (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q6_K):
         _, size, block = int8dot.INT8_TYPES[t]
         for rows, cols in ((2048, 2048), (8192, 2048), (2048, 8192)):
@@ -110,7 +111,7 @@ def micro(threads: int, rounds: int = 7) -> None:
                 blocks[:, 208:210] = 0x20
             w = QuantTensor("w", t, (rows, cols), blocks.reshape(-1))
             iw = int8dot.weight(w)
-            x = rng.standard_normal((1, cols)).astype(np.float32)
+            x = rng.standard_normal((n_rows, cols)).astype(np.float32)
             f32.linear(x, w)
             int8dot.linear(x, iw, threads)
             times = {"f32": [], "int8": []}
@@ -125,8 +126,9 @@ def micro(threads: int, rounds: int = 7) -> None:
                         fn()
                     times[name].append((time.process_time() - t0) / 10 / threads)
             a, b = min(times["f32"]), min(times["int8"])
-            gbs = w.raw.nbytes / b / 1e9
-            print(f"| {t.name} | {rows} x {cols} | {a * 1e3:.3f} | {b * 1e3:.3f} | {a / b:.2f}x | {gbs:.1f} |")
+            gbs, gmacs = w.raw.nbytes / b / 1e9, rows * cols * n_rows / b / 1e9
+            cells = f"{a * 1e3:.3f} | {b * 1e3:.3f} | {a / b:.2f}x | {gbs:.1f} | {gmacs:.1f}"
+            print(f"| {t.name} | {rows} x {cols} | {cells} |")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,11 +141,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
     p.add_argument("--micro", action="store_true", help="per-kernel decode matvec times instead of models")
     p.add_argument("--micro-threads", type=int, default=1)
+    p.add_argument("--micro-rows", type=int, default=1, help="activation rows per product (prefill: e.g. 32)")
     p.add_argument("--cpu-time", action="store_true", help="time in process CPU seconds (use with --threads 1)")
     args = p.parse_args(argv)
     print(f"load average before: {load_average()}")
     if args.micro:
-        micro(args.micro_threads)
+        micro(args.micro_threads, n_rows=args.micro_rows)
         print(f"load average after: {load_average()}")
         return 0
     if args.model is None:

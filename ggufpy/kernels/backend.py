@@ -23,18 +23,19 @@ from typing import ClassVar
 
 import numpy as np
 
-from .. import ops
+from .. import moe, ops
 from ..constants import GGMLType
 from ..numerics import NUMERICS, Numerics, attention_x86, rope_ggml
-from ..weights import QuantTensor
+from ..weights import ExpertTensor, QuantTensor
 from . import activations as act
-from . import glue_ggml, int8dot, x86
+from . import experts, glue_ggml, int8dot, x86
 from . import ops as kernel_ops
 from ._numba import set_threads
 from .attention import _attention as _attention_kernel
 from .attention import attention as _attention
 from .compile_ahead import CompileAhead
 from .dequant import dequantize_blocks
+from .experts import ExpertProducts
 from .layout import GROUP, PACKED_TYPES, Packed, pack, trim_heap
 from .matvec import matvec, plan
 from .rawblocks import BLOCK_TYPES
@@ -145,7 +146,7 @@ class CpuContention:
         return self.contended
 
 
-class NumbaBackend(CompileAhead):
+class NumbaBackend(CompileAhead, ExpertProducts):
     """Fused dequantize-and-multiply kernels over repacked weights (see `ggufpy.kernels`).
 
     `threads`: parallel kernel threads (default: the cores this process may use); products of fewer than
@@ -184,6 +185,8 @@ class NumbaBackend(CompileAhead):
         self._plans: dict[QuantTensor, tuple] = {}
         self._stacks: dict[tuple[QuantTensor, ...], list] = {}  # linears(): weights stacked by type
         self._int8: dict[QuantTensor, int8dot.Int8Weight | None] = {}  # llamacpp numerics: integer kernels
+        self._expert_stacks: dict[ExpertTensor, experts.ExpertStack | None] = {}  # their experts, grouped once
+        self._expert_calls: dict[tuple[ExpertTensor, ...], tuple] = {}  # stacks multiplied in one call, or ()
         self._tile = np.empty(0, np.float32)
         self._pending: dict[object, list] = {}  # kernel -> events of its compiles started by `compile_ahead`
 
@@ -242,11 +245,16 @@ class NumbaBackend(CompileAhead):
         """The integer-kernel form of `w` in the llamacpp numerics (`int8dot`: ggml's integer block dots over
         the GGUF rows as stored, except Q4_0 / Q4_K with rows % 8 == 0, copied into eight-row groups
         (`int8dot.interleaved`); bit-identical to the NumPy backend's replay), else None."""
-        if not (self.int8 and self.numerics.x86_kernels and self.x86_activations):  # ggml's x86 rounding only
+        if not self._integer:
             return None
         if w not in self._int8:
             self._int8[w] = int8dot.weight(w)
         return self._int8[w]
+
+    @property
+    def _integer(self) -> bool:
+        """Whether the integer kernels run: the llamacpp numerics with ggml's x86 activation rounding only."""
+        return self.int8 and self.numerics.x86_kernels and self.x86_activations
 
     def _int8_linears(self, x: np.ndarray, ws: tuple[QuantTensor, ...]) -> list[np.ndarray]:
         """`linears` over integer-kernel weights: each activation format quantized once for all of them."""
@@ -387,6 +395,7 @@ class NumbaBackend(CompileAhead):
         rope_ggml: glue_ggml.rope_ggml,  # bit-identical to the NumPy functions of the llamacpp numerics
         NUMERICS["llamacpp"].activations["silu"]: glue_ggml.silu_rows,
         NUMERICS["llamacpp-avx2"].activations["silu"]: functools.partial(x86.silu_rows, isa="avx2"),
+        moe.softmax_ggml: experts.softmax_ggml,  # the router's softmax, same `isa` argument
     }
 
     # -- weights -------------------------------------------------------------------------------------------
@@ -399,10 +408,14 @@ class NumbaBackend(CompileAhead):
             p = self._packed[w] = pack(w, release=self.release_pages)
         return p
 
-    def prepack(self, tensors: Iterable[QuantTensor]) -> int:
-        """Repack these weights now rather than on first use; returns the bytes the packed forms take."""
+    def prepack(self, tensors: Iterable[QuantTensor | ExpertTensor]) -> int:
+        """Repack these weights now rather than on first use; returns the bytes the packed forms take.
+        Expert stacks (`ExpertTensor`) are grouped (`expert_stack`) or every expert packed."""
         for w in tensors:
-            if w.type not in FLOAT_TYPES and self.int8_weight(w) is None:
+            if isinstance(w, ExpertTensor):
+                if self.expert_stack(w) is None:
+                    self.prepack(w.experts)
+            elif w.type not in FLOAT_TYPES and self.int8_weight(w) is None:
                 self.packed(w)
         return self.packed_bytes
 

@@ -70,12 +70,13 @@ def load_model(path: str | os.PathLike, backend: str, **options):
 
 
 def model_weights(model) -> list:
-    """Every matrix the backend multiplies by, layer by layer, then the output head."""
-    from ..weights import QuantTensor
+    """Every matrix the backend multiplies by, layer by layer (expert stacks as `ExpertTensor`s: the backend's
+    `prepack` groups or packs all their experts), then the output head."""
+    from ..weights import ExpertTensor, QuantTensor
 
     found = []
     for layer in model.weights.layers.values():
-        found += [w for w in vars(layer).values() if isinstance(w, QuantTensor)]
+        found += [w for w in vars(layer).values() if isinstance(w, QuantTensor | ExpertTensor)]
     if model.weights.output is not None:
         found.append(model.weights.output)
     return found

@@ -11,7 +11,9 @@ instruction instead of unpacking every weight to f32. Q4_0 and Q4_K (out % 8 == 
 copied into groups of eight rows that stream as one (`interleaved`, as ggml repacks them), and the file's pages
 are released after the copy, so they too are resident once (1.0x). Measured at 1B on one thread, decode was
 1.7x (Q4_0) and 2x (Q4_K_M) the GGUF-row kernels: eight short row streams (1152 bytes each at dim 2048) starve
-the hardware prefetcher, one long stream does not (docs/performance.md). Since the integer sums are
+the hardware prefetcher, one long stream does not (docs/performance.md). For prefill, the grouped Q4_K gemm and
+Q6_K's tiled kernel unpack each weight block once for all activation rows (`int8ir_x8_gemm.py`, as ggml's
+repacked gemm does for four). Since the integer sums are
 exact and the f32 steps follow the ggml kernel that `ggufpy.quants.x86` replays for the type and shape
 (`ggufpy.quants.x86.kernel_for`), the result equals the NumPy backend's llamacpp numerics bit for bit, for
 every T (decode and prefill):
@@ -164,10 +166,11 @@ def quantize(x: np.ndarray, fmt: str) -> Activations:
 
 # -- the kernels: weight rows in parallel, each row against every activation row ----------------------------------
 if AVAILABLE:
-    from . import int8ir, int8ir_x8
+    from . import int8ir, int8ir_x8, int8ir_x8_gemm
 
     _Q4_0_BLOCK8 = int8ir_x8.q4_0_dot8()
     _Q4_0_X8 = int8ir_x8.q4_0x8_dot()
+    _block_major = jit(int8ir_x8_gemm.block_major)
     _Q4_0_LANES = int8ir.q0_dot("q4_0", lanes=True)
     _Q5_0 = int8ir.q0_dot("q5_0", lanes=True)
     _Q8_0 = int8ir.q0_dot("q8_0", lanes=True)
@@ -176,9 +179,9 @@ if AVAILABLE:
     _Q4_K_GEMV8 = int8ir_x8.q4_k_dot8()
     _Q4_K_GEMM = int8ir.q4_k_dot(64)
     _Q4_K_GEMV8_X8 = int8ir_x8.q4_k_dot8(grouped=True)
-    _Q4_K_GEMM_X8 = int8ir.q4_k_dot(64, grouped=True)
+    _Q4_K_GEMM_X8 = int8ir_x8_gemm.q4_kx8_gemm()
     _Q6_K_LANES = int8ir.q6_k_dot(lanes=True)
-    _Q6_K_TILED = int8ir.q6_k_dot(lanes=False)
+    _Q6_K_TILED = int8ir_x8_gemm.q6_k_gemm()
 
     # One kernel per (type, kernel variant): numba compiles only those a model's types call.
     @jit(parallel=True)
@@ -266,27 +269,31 @@ if AVAILABLE:
         T = aq.shape[0]
         nb = aq.shape[1] // 256
         n_gemm = T - T % 4
+        if n_gemm:  # each super-block of a group decoded once for all n_gemm rows
+            aqb, adb = _block_major(aq, n_gemm, 256), np.ascontiguousarray(ad[:n_gemm].T)
+            bsb = _block_major(bsums, n_gemm, 16)
         for g in prange(w.shape[0]):
-            for t in range(n_gemm):
-                for r in range(8 * g, 8 * g + 8):
-                    out[t, r] = _Q4_K_GEMM_X8(w, r, aq, t, ad, bsums, nb)
+            if n_gemm:
+                _Q4_K_GEMM_X8(w, g, aqb, n_gemm, adb, bsb, nb, out, np.empty((n_gemm, 8), np.float32))
             for t in range(n_gemm, T):
                 _Q4_K_GEMV8_X8(w, 8 * g, aq, t, ad, bsums, nb, out)
         use_threads(previous)
 
     @jit(parallel=True)
     def _mv_q6_k(nt, w, aq, ad, bsums, out):
-        """T < 8: vec_dot (8 f32 lanes); T >= 8: the tiled kernel (one f32 lane per output)."""
+        """T < 8: vec_dot (8 f32 lanes); T >= 8: the tiled kernel (one f32 lane per output), each block of a
+        row unpacked once for all T rows."""
         previous = use_threads(nt)
         T = aq.shape[0]
         nb = aq.shape[1] // 256
+        if T >= 8:
+            aqb, adb, bsb = _block_major(aq, T, 256), np.ascontiguousarray(ad.T), _block_major(bsums, T, 16)
         for r in prange(w.shape[0]):
             if T < 8:
                 for t in range(T):
                     out[t, r] = _Q6_K_LANES(w, r, aq, t, ad, bsums, nb)
             else:
-                for t in range(T):
-                    out[t, r] = _Q6_K_TILED(w, r, aq, t, ad, bsums, nb)
+                _Q6_K_TILED(w, r, aqb, T, adb, bsb, nb, out)
         use_threads(previous)
 
     _Q0_KERNELS = {

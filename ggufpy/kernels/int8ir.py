@@ -263,12 +263,12 @@ def _k4_scales_mins(builder, blk):
     return sc, mn
 
 
-def q4_k_dot(piece: int, grouped: bool = False):
+def q4_k_dot(piece: int):
     """Intrinsic (w, r, aq, t, ad, bsums, nb) -> f32 for Q4_K weights (144-byte blocks) and Q8_K activations
     (ad f32 (T, nb) d, bsums int16 (T, nb*16)), as repack.py's `_kernel` with this `piece`: per `piece`
     elements (256: the gemv; 64: the gemm's `sb` iterations) I = sum sc_j * dot_j and M = sum m_j * bsum_j
     (int32), acc = fma(float(I), fl(dw * da), acc), accm = fma(float(M), fl(dmin * da), accm); y = acc - accm.
-    grouped: w is (rows / 8, nb * 1152), block b of eight rows side by side (`int8dot.interleaved`)."""
+    (The eight-row groups' gemm, all activation rows per block: `int8ir_x8_gemm.q4_kx8_gemm`.)"""
 
     @intrinsic
     def dot(typingctx, w, r, aq, t, ad, bsums, nb):
@@ -276,13 +276,8 @@ def q4_k_dot(piece: int, grouped: bool = False):
 
         def codegen(context, builder, signature, args):
             w_, r_, aq_, t_, ad_, bs_, nb_ = args
-            if grouped:
-                eight = ir.Constant(I64, 8)
-                wrow = _row(context, builder, signature.args[0], w_, builder.sdiv(r_, eight))
-                wrow = builder.gep(wrow, [builder.mul(builder.srem(r_, eight), ir.Constant(I64, 144))])
-            else:
-                wrow = _row(context, builder, signature.args[0], w_, r_)
-            stride = ir.Constant(I64, 1152 if grouped else 144)
+            wrow = _row(context, builder, signature.args[0], w_, r_)
+            stride = ir.Constant(I64, 144)
             arow = _row(context, builder, signature.args[2], aq_, t_)
             drow = _row(context, builder, signature.args[4], ad_, t_)
             bsrow = _row(context, builder, signature.args[5], bs_, t_)
