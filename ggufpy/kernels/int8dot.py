@@ -306,6 +306,12 @@ if AVAILABLE:
     _K_KERNELS = {GGMLType.Q4_K: _mv_q4_k, GGMLType.Q6_K: _mv_q6_k}
     _GROUPED = {GGMLType.Q4_0: _mv_q4_0x8, GGMLType.Q4_K: _mv_q4_kx8}  # the kernels of `interleaved` weights
 
+    # issue 12's types (IQ1-IQ3, TQ, MXFP4, NVFP4, Q1_0): type -> (format, block bytes, elements, kernel)
+    from .int8lowbit import KERNELS as _LOWBIT
+
+    INT8_TYPES.update({t: k[:3] for t, k in _LOWBIT.items()})
+    _K_KERNELS.update({t: k[3] for t, k in _LOWBIT.items()})  # Q8_0 ones too: `weight` looks up both dicts
+
 
 @dataclass(frozen=True, eq=False)
 class Int8Weight:
