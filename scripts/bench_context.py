@@ -29,7 +29,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-DEFAULT_MODEL = "/tmp/int8w/models/synthetic-llama-1B.Q8_0.Q4_0.gguf"
+DEFAULT_MODEL = str(Path.home() / ".cache/ggufpy/bench/synthetic-llama-1B.Q4_0.gguf")  # scripts/size_models.py
 
 _GGUFPY = r"""
 import dataclasses, json, sys, time
