@@ -168,3 +168,22 @@ def test_row_invariant_activations_equal_row_by_row():
             x = (rng.standard_normal((8, F)) * rng.choice([0.01, 1, 10, 100], (8, F))).astype(np.float32)
             alone = np.concatenate([act(x[b : b + 1]) for b in range(8)])
             assert np.array_equal(act(x).view(np.uint32), alone.view(np.uint32)), f"{act}, F={F}"
+
+
+@needs_numba
+@pytest.mark.parametrize("ffn_down", [GGMLType.Q6_K, GGMLType.Q5_K], ids=["integer", "mixed"])
+def test_llamacpp_numerics_batch_invariant(tmp_path, ffn_down):
+    """The llamacpp numerics: integer kernels take up to `INT8_ROWS` rows per call (ggml's gemm forms start at 4
+    rows, the tiled ones at 8; both round differently from the one-row kernel), so every row of a batch is still
+    its decode alone; a weight without an integer kernel (Q5_K) sends its layer's products row by row."""
+    from conformance.fixtures import TinyLlama, write_tiny_llama
+    from ggufpy.kernels import batched
+
+    assert batched.INT8_ROWS < 4
+    types = {"embd": GGMLType.Q8_0, "output": GGMLType.Q6_K, "attn": GGMLType.Q4_K, "ffn": GGMLType.Q4_0}
+    spec = TinyLlama(
+        dim=256, hidden_dim=512, n_layers=2, types={**types, "attn_v": GGMLType.Q8_0, "ffn_down": ffn_down}
+    )
+    path = write_tiny_llama(tmp_path / "mix.gguf", spec)
+    model = ggufpy.load(path, backend="numba", numerics="llamacpp-avx2", tokenizer=False)
+    assert_batch_invariant(model, sizes=(1, 3, 4, 8), steps=2)

@@ -183,16 +183,24 @@ def matvec_rows(p: Packed, xv: np.ndarray, terms: np.ndarray | None, planned=Non
     return out
 
 
+INT8_ROWS = 3  # rows per integer-kernel call in `linears_rows`: below ggml's repacked gemm (4) and tiled (8) forms
+
+
 def linears_rows(backend, x: np.ndarray, ws: tuple) -> list[np.ndarray]:
     """`NumbaBackend.linears(x, ws)` for B rows of independent sequences: row b of each result is bit for bit
     `backend.linears(x[b:b+1], ws)`, whatever the other rows. Uses the same stacked weights as `linears` (a
     stack's groups are computed independently, so a stacked product equals the separate ones). Float weights
-    and quantized activations (`llamacpp` numerics) go row by row through `linear`: correct by construction."""
+    go row by row through `linear`, quantized activations (`llamacpp` numerics) too, in chunks of `INT8_ROWS`
+    rows where every weight has an integer kernel."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     if backend.numerics.quantize_activations:
+        # ggml's integer kernels switch to their gemm (repacked, from 4 rows) or tiled (from 8) forms by the row
+        # count (`quants.x86.kernel_for`); up to INT8_ROWS rows each row takes the one-row kernel, bit for bit its
+        # product alone, and a chunk reads each weight once instead of once per row
+        step = INT8_ROWS if all(backend.int8_weight(w) is not None for w in ws) else 1
         return [
             np.concatenate(rows)
-            for rows in zip(*(backend.linears(x[b : b + 1], ws) for b in range(len(x))), strict=True)
+            for rows in zip(*(backend.linears(x[b : b + step], ws) for b in range(0, len(x), step)), strict=True)
         ]
     groups = backend._stacks.get(ws)
     if groups is None:
