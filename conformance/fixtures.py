@@ -90,6 +90,19 @@ class TinyLlama:
         return self.key_length or self.dim // self.n_heads
 
 
+def add_vocab(w: gguf.GGUFWriter, tokens: list[str], token_types: list[int]) -> None:
+    """The fixtures' GPT-2 style vocabulary (`_tokens`), its merges, special ids and chat template."""
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types(token_types)
+    w.add_token_merges(MERGES)
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(0)
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHAT_TEMPLATE)
+
+
 def _tokens() -> tuple[list[str], list[int]]:
     tokens = SPECIALS + byte_level_tokens()
     for m in MERGES:
@@ -143,15 +156,7 @@ def write_tiny_llama(path: str | Path, spec: TinyLlama = TinyLlama()) -> Path:
         add_kv = {float: w.add_float32, int: w.add_uint32, str: w.add_string, bool: w.add_bool}[type(value)]
         add_kv(f"{a.name}.{k}", value)
     w.add_vocab_size(V)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types(token_types)
-    w.add_token_merges(MERGES)
-    w.add_bos_token_id(0)
-    w.add_eos_token_id(0)
-    w.add_add_bos_token(False)
-    w.add_chat_template(CHAT_TEMPLATE)
+    add_vocab(w, tokens, token_types)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
     def add(name: str, shape: tuple[int, ...], role: str | None, scale: float | None = None):

@@ -21,7 +21,7 @@ import numpy as np
 
 from ggufpy.constants import GGMLType
 
-from .fixtures import CHAT_TEMPLATE, FIXTURES, FLOAT, MERGES, WRITERS, _quantize, _tokens
+from .fixtures import FIXTURES, FLOAT, WRITERS, _quantize, _tokens, add_vocab
 from .fixtures_moe import TinyMoE
 
 
@@ -92,15 +92,7 @@ def write_tiny_deepseek2(path: str | Path, spec: TinyDeepSeek2) -> Path:
     for k, value in spec.extra_kv:  # RoPE scaling (YaRN and its log multiplier)
         add_kv = {float: w.add_float32, int: w.add_uint32, str: w.add_string}[type(value)]
         add_kv(f"deepseek2.{k}", value)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types(token_types)
-    w.add_token_merges(MERGES)
-    w.add_bos_token_id(0)
-    w.add_eos_token_id(0)
-    w.add_add_bos_token(False)
-    w.add_chat_template(CHAT_TEMPLATE)
+    add_vocab(w, tokens, token_types)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
     def add(name: str, shape: tuple[int, ...], role: str | None, scale: float | None = None):

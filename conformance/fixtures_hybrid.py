@@ -26,7 +26,7 @@ import numpy as np
 
 from ggufpy.constants import GGMLType
 
-from .fixtures import CHAT_TEMPLATE, FIXTURES, MERGES, WRITERS, TinyLlama, _quantize, _tokens
+from .fixtures import FIXTURES, WRITERS, TinyLlama, _quantize, _tokens, add_vocab
 
 ROLES = ("embd", "output", "attn", "ffn", "ssm")
 
@@ -114,15 +114,7 @@ def write_tiny_qwen35(path: str | Path, spec: TinyQwen35 = TinyQwen35()) -> Path
         w.add_expert_feed_forward_length(spec.expert_hidden_dim)
         w.add_expert_shared_feed_forward_length(spec.shared_hidden_dim)
     w.add_vocab_size(V)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types(token_types)
-    w.add_token_merges(MERGES)
-    w.add_bos_token_id(0)
-    w.add_eos_token_id(0)
-    w.add_add_bos_token(False)
-    w.add_chat_template(CHAT_TEMPLATE)
+    add_vocab(w, tokens, token_types)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
     def add_f32(name: str, data: np.ndarray) -> None:

@@ -18,7 +18,7 @@ import numpy as np
 
 from ggufpy.constants import GGMLType
 
-from .fixtures import CHAT_TEMPLATE, FIXTURES, FLOAT, MERGES, ROLES, WRITERS, _quantize, _tokens
+from .fixtures import FIXTURES, FLOAT, ROLES, WRITERS, _quantize, _tokens, add_vocab
 from .fixtures_moe import TinyMoE
 
 
@@ -55,15 +55,7 @@ def write_tiny_llama4(path: str | Path, spec: TinyLlama4) -> Path:
     w.add_rope_freq_base(spec.rope_theta)
     w.add_layer_norm_rms_eps(spec.norm_eps)
     w.add_vocab_size(V)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types(token_types)
-    w.add_token_merges(MERGES)
-    w.add_bos_token_id(0)
-    w.add_eos_token_id(0)
-    w.add_add_bos_token(False)
-    w.add_chat_template(CHAT_TEMPLATE)
+    add_vocab(w, tokens, token_types)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
     def add(name: str, shape: tuple[int, ...], role: str | None, scale: float | None = None):

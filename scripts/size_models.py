@@ -109,7 +109,7 @@ def _tensors(d: Dims, vocab: int):
 def write_model(path: Path, d: Dims, ftype: str, seed: int = 0) -> Path:
     """The model in llama.cpp's mix `ftype` (norms F32), written tensor by tensor."""
     sys.path.insert(0, str(ROOT))
-    from conformance.fixtures import CHAT_TEMPLATE, MERGES, _tokens
+    from conformance.fixtures import _tokens, add_vocab
 
     tokens, token_types = _tokens()
     w = gguf.GGUFWriter(str(path), "llama")
@@ -124,15 +124,7 @@ def write_model(path: Path, d: Dims, ftype: str, seed: int = 0) -> Path:
     w.add_rope_freq_base(d.rope_theta)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(len(tokens))
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types(token_types)
-    w.add_token_merges(MERGES)
-    w.add_bos_token_id(0)
-    w.add_eos_token_id(0)
-    w.add_add_bos_token(False)
-    w.add_chat_template(CHAT_TEMPLATE)
+    add_vocab(w, tokens, token_types)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     w.add_file_type(getattr(gguf.LlamaFileType, f"MOSTLY_{ftype}"))
     specs = []
