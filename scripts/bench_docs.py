@@ -84,11 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         print(section)
         return 0
-    text = DOCS.read_text()
-    if START not in text:
-        raise SystemExit(f"{DOCS} has no {START} ... {END} section")
-    head, rest = text.split(START, 1)
-    DOCS.write_text(head + section + rest.split(END, 1)[1])
+    from bench_speed import replace_section  # scripts/ is on sys.path when this script runs
+
+    replace_section(DOCS, START, END, section)
     return 0
 
 

@@ -30,6 +30,15 @@ START, END = "<!-- speed:start -->", "<!-- speed:end -->"
 PARTS = ("cold", "sizes", "batch", "context")
 
 
+def replace_section(docs: Path, start: str, end: str, section: str) -> None:
+    """Write `section` (its markers included) over the text from `start` to `end` in `docs`."""
+    text = docs.read_text()
+    if start not in text:
+        raise SystemExit(f"{docs} has no {start} ... {end} section")
+    head, rest = text.split(start, 1)
+    docs.write_text(head + section + rest.split(end, 1)[1])
+
+
 def load_average() -> str:
     return " / ".join(f"{v:.2f}" for v in os.getloadavg())
 
@@ -191,11 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     section = f"{START}\n`{cmd}`, {stamp}.\n\n" + "\n\n".join(sections) + f"\n{END}"
     if args.dry_run:
         return 0
-    text = DOCS.read_text()
-    if START not in text:
-        raise SystemExit(f"{DOCS} has no {START} ... {END} section")
-    head, rest = text.split(START, 1)
-    DOCS.write_text(head + section + rest.split(END, 1)[1])
+    replace_section(DOCS, START, END, section)
     return 0
 
 
