@@ -388,7 +388,7 @@ def gpt_oss(tmp_path_factory):
     path = tmp_path_factory.mktemp("harmony") / "gpt-oss-harmony.gguf"
     with pytest.MonkeyPatch.context() as mp:  # the fixture writer's vocabulary and template, for this file only
         mp.setattr(fixtures_moe, "_tokens", tokens)
-        mp.setattr(fixtures_moe, "CHAT_TEMPLATE", TEMPLATE)
+        mp.setattr(fx, "CHAT_TEMPLATE", TEMPLATE)  # add_vocab writes fixtures.CHAT_TEMPLATE
         fixtures_moe.write_tiny_moe(path, replace(fixtures_moe.GPT_OSS, context_length=1024))
     return Scripted(ggufpy.load(path))
 
