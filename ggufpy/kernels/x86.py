@@ -16,6 +16,8 @@ the result does not depend on the thread count.
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from ..quants.x86.attention import n_kv_cells
@@ -194,13 +196,87 @@ def _f16_products(wt, a, n, lanes, tinyblas, acc, out, lo, hi):
 _KEYS = 256  # outputs of the KQ product computed together: accumulators (4 * lanes, 256) stay in L1/L2
 
 
+@jit(inline=True)
+def _soft_max(w, lo, hi, scale, lanes, e8):
+    """w (n_kv,): the scores of keys lo <= j < hi in, fp16(soft_max_ext(w, mask, scale)) out; e8: scratch."""
+    n_kv = w.size
+    mx = np.float32(-np.inf)
+    for j in range(n_kv):
+        w[j] = w[j] * scale if lo <= j < hi else -np.inf  # ggml_vec_scale_f32, then + mask (0 or -inf)
+        mx = max(mx, w[j])
+    total = np.float64(0.0)
+    for b0 in range(0, n_kv, lanes):  # ggml_vec_soft_max_f32: a block's exps, its hsum, the double sum
+        for i in range(lanes):
+            w[b0 + i] = _v_expf(w[b0 + i] - mx, lanes == 16)
+            e8[i] = w[b0 + i]
+        total += np.float64(_hsum(e8, lanes))
+    inv = np.float32(1.0 / total)
+    for j in range(n_kv):
+        w[j] = round_f16(w[j] * inv)  # kq_soft_max, converted to F16's vec_dot type
+
+
+@jit(inline=True)
+def _reduce_lanes(acc, lanes, j):
+    """`ggml_vec_dot_f16`'s end for output j: (r0 + r2) + (r1 + r3) per lane, then the register's reduce."""
+    for i in range(lanes):
+        acc[i, j] = (acc[i, j] + acc[2 * lanes + i, j]) + (acc[lanes + i, j] + acc[3 * lanes + i, j])
+    if lanes == 8:
+        return ((acc[0, j] + acc[4, j]) + (acc[1, j] + acc[5, j])) + ((acc[2, j] + acc[6, j]) + (acc[3, j] + acc[7, j]))
+    u0 = (acc[12, j] + acc[4, j]) + (acc[8, j] + acc[0, j])
+    u1 = (acc[13, j] + acc[5, j]) + (acc[9, j] + acc[1, j])
+    u2 = (acc[14, j] + acc[6, j]) + (acc[10, j] + acc[2, j])
+    u3 = (acc[15, j] + acc[7, j]) + (acc[11, j] + acc[3, j])
+    return (u0 + u2) + (u1 + u3)
+
+
+@jit(parallel=True)
+def _attention_one(q16, k, v, p, S, n_kv, scale, window, lanes, nt, out):
+    """One query at position p (a decoded token: both products are `ggml_vec_dot_f16`) read straight from the
+    f16 cache, k, v (S, G, E) u16 bits; q16 (H, E), out (H, E). `_attention`'s sums in `_attention`'s order,
+    without its f32 copy of the whole cache in the product layout (which cost more than the products)."""
+    H, E = q16.shape
+    G = k.shape[1]
+    r = H // G
+    step = 4 * lanes
+    main = E - E % step
+    previous = use_threads(nt)
+    for h in prange(H):
+        g = h // r
+        acc = np.empty((step, E), np.float32)
+        kacc = np.empty((step, 1), np.float32)  # contiguous: the K loop vectorizes over its lanes
+        w = np.empty(n_kv, np.float32)
+        lo = max(0, p - window + 1) if window > 0 else 0
+        hi = min(p + 1, S)
+        for j in range(lo, hi):  # kq[j] = ggml_vec_dot_f16(K row j, fp16(q)): four registers over E
+            kacc[:] = 0.0
+            for l in range(0, main, step):
+                for i in range(step):
+                    kacc[i, 0] += half_to_float(k[j, g, l + i]) * q16[h, l + i]
+            y = _reduce_lanes(kacc, lanes, 0)
+            if main < E:  # the leftovers, in double
+                d = np.float64(y)
+                for l in range(main, E):
+                    d += np.float64(half_to_float(k[j, g, l]) * q16[h, l])
+                y = np.float32(d)
+            w[j] = y
+        _soft_max(w, lo, hi, scale, lanes, kacc[:, 0])
+        acc[:] = 0.0  # kqv = ggml_vec_dot_f16 over the keys for each output e, four registers of keys
+        for l in range(lo - lo % step, min(n_kv, hi), step):
+            for i in range(min(step, S - l)):  # past S: llama.cpp's zero cells times p = 0, adding +0
+                a = w[l + i]
+                for e in range(E):
+                    acc[i, e] += half_to_float(v[l + i, g, e]) * a
+        for e in range(E):
+            out[h, e] = _reduce_lanes(acc, lanes, e)
+    use_threads(previous)
+
+
 @jit(parallel=True)
 def _attention(q16, kt, vc, start, S, scale, window, lanes, nt, out):
     """q16 (T, H, E), kt (G, E, n_kv), vc (G, n_kv, E): f32 holding f16 values (zeros past S); out (T, H, E)."""
     T, H, E = q16.shape
     G, n_kv, _ = vc.shape
     r = H // G
-    wide = lanes == 16
     tb_kq = T >= 2 and E % lanes == 0  # tinyBLAS takes the product (`float_matmul`); n_kv % 4 == 0 always
     tb_kqv = T >= 2 and n_kv % lanes == 0 and E % 4 == 0
     previous = use_threads(nt)
@@ -214,22 +290,10 @@ def _attention(q16, kt, vc, start, S, scale, window, lanes, nt, out):
         lo = max(0, p - window + 1) if window > 0 else 0  # the keys this query sees: lo <= j < hi
         hi = min(p + 1, S)
         for j0 in range(lo - lo % _KEYS, hi, _KEYS):  # kq = mul_mat(K, fp16(q)), a block of keys at a time
-            kq = w[j0 : j0 + _KEYS]
-            _f16_products(kt[g, :, j0 : j0 + _KEYS], q16[t, h], E, lanes, tb_kq, acc[:, :_KEYS], kq, 0, E)
-        mx = np.float32(-np.inf)
-        for j in range(n_kv):
-            w[j] = w[j] * scale if lo <= j < hi else -np.inf  # ggml_vec_scale_f32, then + mask (0 or -inf)
-            mx = max(mx, w[j])
-        total = np.float64(0.0)
-        e8 = acc[:, 0]
-        for b0 in range(0, n_kv, lanes):  # ggml_vec_soft_max_f32: a block's exps, its hsum, the double sum
-            for i in range(lanes):
-                w[b0 + i] = _v_expf(w[b0 + i] - mx, wide)
-                e8[i] = w[b0 + i]
-            total += np.float64(_hsum(e8, lanes))
-        inv = np.float32(1.0 / total)
-        for j in range(n_kv):
-            w[j] = round_f16(w[j] * inv)  # kq_soft_max, converted to F16's vec_dot type
+            # each output is its own column's sum, so the masked keys past hi (-inf below) are not computed
+            j1 = min(j0 + _KEYS, hi)
+            _f16_products(kt[g, :, j0:j1], q16[t, h], E, lanes, tb_kq, acc[:, : j1 - j0], w[j0:j1], 0, E)
+        _soft_max(w, lo, hi, scale, lanes, acc[:, 0])
         _f16_products(vc[g], w, n_kv, lanes, tb_kqv, acc[:, :E], out[t, h], lo, hi)  # kqv = mul_mat(V^T, fp16(p))
     use_threads(previous)
 
@@ -250,6 +314,18 @@ def _cache_layout(k, v, f16_bits, kt, vc):
                     vc[g, j, e] = round_f16(v[j, g, e])
 
 
+_buffers = threading.local()
+
+
+def _layout_buffers(G: int, E: int, n_kv: int) -> tuple[np.ndarray, np.ndarray]:
+    """This thread's f32 copies of the cache in the kernel's layout, reused from call to call: a fresh pair
+    per call (up to 2 x 512 KB per layer at 256 cells) cost more in page faults than the attention itself."""
+    pair = getattr(_buffers, "pair", None)
+    if pair is None or pair[0].shape != (G, E, n_kv):
+        pair = _buffers.pair = (np.empty((G, E, n_kv), np.float32), np.empty((G, n_kv, E), np.float32))
+    return pair
+
+
 def attention(
     q: np.ndarray,
     k: np.ndarray,
@@ -268,12 +344,28 @@ def attention(
         raise ValueError(f"q {q.shape}, k {k.shape}, v {v.shape} at start {start}: not an attention of the cache")
     n_kv = n_kv_cells(S)
     q16 = round_f16_array(q)  # mul_mat converts the queries to F16's vec_dot type
-    kt = np.zeros((G, E, n_kv), np.float32)  # the K cache, zeros past S, each group's keys as columns
-    vc = np.zeros((G, n_kv, E), np.float32)  # the V cache, whose columns are the rows of ggml's V^T
+    nt = get_threads() if threads is None else threads
+    if T == 1 and k.dtype == np.float16 and v.dtype == np.float16:
+        out = np.empty((H, E), np.float32)
+        _attention_one(
+            q16[0],
+            k.view(np.uint16),
+            v.view(np.uint16),
+            start,
+            S,
+            n_kv,
+            np.float32(scale),
+            window or 0,
+            ISA_LANES[isa],
+            nt,
+            out,
+        )
+        return out.reshape(1, H * E)
+    kt, vc = _layout_buffers(G, E, n_kv)  # K: each group's keys as columns; V: columns = rows of ggml's V^T
+    vc[:, S:] = 0.0  # zeros past S, as llama.cpp's padded cells: read (times p = 0) by the last lane block
     f16 = k.dtype == np.float16 and v.dtype == np.float16
     k, v = (a.view(np.uint16) if f16 else np.asarray(a, np.float32) for a in (k, v))
     _cache_layout(k, v, f16, kt, vc)
     out = np.empty((T, H, E), np.float32)
-    nt = get_threads() if threads is None else threads
     _attention(q16, kt, vc, start, S, np.float32(scale), window or 0, ISA_LANES[isa], nt, out)
     return out.reshape(T, H * E)
