@@ -1,0 +1,148 @@
+"""The grid types' integer kernels in the llamacpp numerics, on `int8ir_iqgrid`'s AVX2 intrinsics: IQ2_XXS, IQ2_XS,
+IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M weight rows in parallel, each against every Q8_K activation row.
+
+    KERNELS[type](nt, w, aq, ad, bsums, out)     out[t, r] = weight row r . activation row t, bit for bit the
+                                                 replay of what llama.cpp runs (`ggufpy.quants.x86.kernel_for`)
+
+    T = 1       vec_dot     `grid_dot`: the accumulators in registers             quants.x86.iqgrid
+    T = 2..7    vec_dot     `grid_dot_rows`: each weight block decoded once       quants.x86.iqgrid
+    T >= 8      tiled       `grid_dot_rows(tiled=True)`, the same decode          quants.x86.tiled
+
+One kernel per type (as int8dot's): numba compiles only those a model's types call. The tables are module
+globals, which numba freezes into the compiled kernels as constants.
+"""
+
+from __future__ import annotations
+
+from ..constants import GGMLType
+from ..quants.x86.tiled import TILED_MIN_BATCH
+from ._numba import jit, prange, use_threads
+from .int8ir_iqgrid import GRIDS, KSIGNS, SIGNS, grid_dot, grid_dot_rows
+
+__all__ = ["KERNELS"]
+
+_G_IQ2_XXS, _G_IQ2_XS, _G_IQ2_S = GRIDS["IQ2_XXS"], GRIDS["IQ2_XS"], GRIDS["IQ2_S"]
+_G_IQ3_XXS, _G_IQ3_S, _G_IQ1 = GRIDS["IQ3_XXS"], GRIDS["IQ3_S"], GRIDS["IQ1_S"]
+
+
+def _intrinsics(name: str) -> tuple:
+    return grid_dot(name), grid_dot_rows(name), grid_dot_rows(name, tiled=True)
+
+
+_IQ2_XXS_1, _IQ2_XXS_N, _IQ2_XXS_TILED = _intrinsics("IQ2_XXS")
+_IQ2_XS_1, _IQ2_XS_N, _IQ2_XS_TILED = _intrinsics("IQ2_XS")
+_IQ2_S_1, _IQ2_S_N, _IQ2_S_TILED = _intrinsics("IQ2_S")
+_IQ3_XXS_1, _IQ3_XXS_N, _IQ3_XXS_TILED = _intrinsics("IQ3_XXS")
+_IQ3_S_1, _IQ3_S_N, _IQ3_S_TILED = _intrinsics("IQ3_S")
+_IQ1_S_1, _IQ1_S_N, _IQ1_S_TILED = _intrinsics("IQ1_S")
+_IQ1_M_1, _IQ1_M_N, _IQ1_M_TILED = _intrinsics("IQ1_M")
+
+
+@jit(parallel=True)
+def _mv_iq2_xxs(nt, w, aq, ad, bsums, out):
+    previous = use_threads(nt)
+    T, nb = aq.shape[0], aq.shape[1] // 256
+    for r in prange(w.shape[0]):
+        if T == 1:
+            out[0, r] = _IQ2_XXS_1(w, r, aq, 0, ad, bsums, nb, _G_IQ2_XXS, KSIGNS)
+        elif T < TILED_MIN_BATCH:
+            _IQ2_XXS_N(w, r, aq, T, ad, bsums, nb, _G_IQ2_XXS, KSIGNS, out)
+        else:
+            _IQ2_XXS_TILED(w, r, aq, T, ad, bsums, nb, _G_IQ2_XXS, KSIGNS, out)
+    use_threads(previous)
+
+
+@jit(parallel=True)
+def _mv_iq2_xs(nt, w, aq, ad, bsums, out):
+    previous = use_threads(nt)
+    T, nb = aq.shape[0], aq.shape[1] // 256
+    for r in prange(w.shape[0]):
+        if T == 1:
+            out[0, r] = _IQ2_XS_1(w, r, aq, 0, ad, bsums, nb, _G_IQ2_XS, KSIGNS)
+        elif T < TILED_MIN_BATCH:
+            _IQ2_XS_N(w, r, aq, T, ad, bsums, nb, _G_IQ2_XS, KSIGNS, out)
+        else:
+            _IQ2_XS_TILED(w, r, aq, T, ad, bsums, nb, _G_IQ2_XS, KSIGNS, out)
+    use_threads(previous)
+
+
+@jit(parallel=True)
+def _mv_iq2_s(nt, w, aq, ad, bsums, out):
+    previous = use_threads(nt)
+    T, nb = aq.shape[0], aq.shape[1] // 256
+    for r in prange(w.shape[0]):
+        if T == 1:
+            out[0, r] = _IQ2_S_1(w, r, aq, 0, ad, bsums, nb, _G_IQ2_S, SIGNS)
+        elif T < TILED_MIN_BATCH:
+            _IQ2_S_N(w, r, aq, T, ad, bsums, nb, _G_IQ2_S, SIGNS, out)
+        else:
+            _IQ2_S_TILED(w, r, aq, T, ad, bsums, nb, _G_IQ2_S, SIGNS, out)
+    use_threads(previous)
+
+
+@jit(parallel=True)
+def _mv_iq3_xxs(nt, w, aq, ad, bsums, out):
+    previous = use_threads(nt)
+    T, nb = aq.shape[0], aq.shape[1] // 256
+    for r in prange(w.shape[0]):
+        if T == 1:
+            out[0, r] = _IQ3_XXS_1(w, r, aq, 0, ad, bsums, nb, _G_IQ3_XXS, KSIGNS)
+        elif T < TILED_MIN_BATCH:
+            _IQ3_XXS_N(w, r, aq, T, ad, bsums, nb, _G_IQ3_XXS, KSIGNS, out)
+        else:
+            _IQ3_XXS_TILED(w, r, aq, T, ad, bsums, nb, _G_IQ3_XXS, KSIGNS, out)
+    use_threads(previous)
+
+
+@jit(parallel=True)
+def _mv_iq3_s(nt, w, aq, ad, bsums, out):
+    previous = use_threads(nt)
+    T, nb = aq.shape[0], aq.shape[1] // 256
+    for r in prange(w.shape[0]):
+        if T == 1:
+            out[0, r] = _IQ3_S_1(w, r, aq, 0, ad, bsums, nb, _G_IQ3_S, SIGNS)
+        elif T < TILED_MIN_BATCH:
+            _IQ3_S_N(w, r, aq, T, ad, bsums, nb, _G_IQ3_S, SIGNS, out)
+        else:
+            _IQ3_S_TILED(w, r, aq, T, ad, bsums, nb, _G_IQ3_S, SIGNS, out)
+    use_threads(previous)
+
+
+@jit(parallel=True)
+def _mv_iq1_s(nt, w, aq, ad, bsums, out):
+    previous = use_threads(nt)
+    T, nb = aq.shape[0], aq.shape[1] // 256
+    for r in prange(w.shape[0]):
+        if T == 1:
+            out[0, r] = _IQ1_S_1(w, r, aq, 0, ad, bsums, nb, _G_IQ1, SIGNS)
+        elif T < TILED_MIN_BATCH:
+            _IQ1_S_N(w, r, aq, T, ad, bsums, nb, _G_IQ1, SIGNS, out)
+        else:
+            _IQ1_S_TILED(w, r, aq, T, ad, bsums, nb, _G_IQ1, SIGNS, out)
+    use_threads(previous)
+
+
+@jit(parallel=True)
+def _mv_iq1_m(nt, w, aq, ad, bsums, out):
+    previous = use_threads(nt)
+    T, nb = aq.shape[0], aq.shape[1] // 256
+    for r in prange(w.shape[0]):
+        if T == 1:
+            out[0, r] = _IQ1_M_1(w, r, aq, 0, ad, bsums, nb, _G_IQ1, SIGNS)
+        elif T < TILED_MIN_BATCH:
+            _IQ1_M_N(w, r, aq, T, ad, bsums, nb, _G_IQ1, SIGNS, out)
+        else:
+            _IQ1_M_TILED(w, r, aq, T, ad, bsums, nb, _G_IQ1, SIGNS, out)
+    use_threads(previous)
+
+
+KERNELS = {
+    GGMLType.IQ2_XXS: _mv_iq2_xxs,
+    GGMLType.IQ2_XS: _mv_iq2_xs,
+    GGMLType.IQ2_S: _mv_iq2_s,
+    GGMLType.IQ3_XXS: _mv_iq3_xxs,
+    GGMLType.IQ3_S: _mv_iq3_s,
+    GGMLType.IQ1_S: _mv_iq1_s,
+    GGMLType.IQ1_M: _mv_iq1_m,
+}
+"""GGML type -> kernel(nt, w, aq, ad, bsums, out), every T (`int8lowbit.KERNELS` dispatches here)."""
