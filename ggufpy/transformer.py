@@ -43,6 +43,8 @@ class Model:
         self.compiled = getattr(backend, "compiled", {})
         # a backend may run a whole decode block in one call, bit-identical to `block` (`NumbaBackend.decode_block`)
         self.decode_block = getattr(backend, "decode_block", None)
+        # and a whole block of a batched pass (`NumbaBackend.decode_rows`), bit-identical to `block_rows`
+        self.decode_rows = getattr(backend, "decode_rows", None)
         self.weights = weights
         self.backend = backend
         self.tokenizer = tokenizer
@@ -218,7 +220,10 @@ class Model:
         for i in self.layers:
             # each row's angles computed as a one-token forward pass computes them
             cos, sin = self._angles(angles, i, [np.arange(p, p + 1) for p in row_pos])
-            h = self.block_rows(h, i, row_pos, cos, sin, row_caches)
+            out = None
+            if self.decode_rows is not None and self.numerics is self.backend.numerics:
+                out = self.decode_rows(cfg, self.weights.layers[i], i, h, row_pos, cos, sin, row_caches)
+            h = self.block_rows(h, i, row_pos, cos, sin, row_caches) if out is None else out
         for pos, chunk, cache in zip(positions, chunks, caches, strict=True):
             cache.advance(pos + len(chunk))
 
