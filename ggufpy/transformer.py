@@ -382,11 +382,11 @@ class Model:
         scale = np.float32(cfg.attention_scale or np.float32(1.0) / np.sqrt(np.float32(cfg.head_dim)))
         if cfg.arch.scale_q:  # gemma, phi3: Q scaled in f32 before the KQ product (and its f16 rounding in llamacpp)
             q, scale = q * (np.float32(1.0) / np.sqrt(np.float32(cfg.head_dim))), 1.0  # 1.0f / sqrtf(E)
-        # a backend may compute attention itself (numba); it defers to the numerics mode where that is not exact,
-        # and the numerics' attention alone knows sinks (gpt-oss)
+        # a backend may compute attention itself (numba); it defers to the numerics mode where that is not exact
+        # (sinks, gpt-oss: compiled in the llamacpp numerics, the numerics' own function in the exact ones)
         attention = getattr(self.backend, "attention", None) or self.numerics.attention
         if w.attn_sinks is not None:
-            attention, extra["sinks"] = self.numerics.attention, w.attn_sinks
+            extra["sinks"] = w.attn_sinks
         n = N // len(seqs)  # rows per sequence: T for `block`, 1 for `block_rows`
         attn = np.empty((N, cfg.n_heads * cfg.head_dim), np.float32)  # (N, H*E)
         plain = (

@@ -100,3 +100,89 @@ def test_backend_runs_the_compiled_replay(mode, T):
     silu = nm.activations["silu"]
     x = rng.standard_normal((T, 100)).astype(np.float32) * 8
     assert_bitwise(backend.compiled[silu](x), silu(x))
+
+
+# gpt-oss's sinks (`ggml_soft_max_add_sinks`): one logit per query head in the softmax's max and sum. Decode and
+# prefill, a sliding window and none, GQA; the sinks span below, among and above the scores (above: the sink is
+# the max and each exp is taken against it).
+SINK_SHAPES = [
+    (1, 37, 4, 2, 64, None),
+    (1, 600, 8, 2, 64, 128),
+    (1, 300, 2, 2, 72, None),
+    (7, 300, 8, 2, 64, 128),
+    (16, 16, 9, 3, 48, None),
+    (5, 600, 4, 4, 64, 100),
+]
+
+
+def _sinks(rng, H: int) -> np.ndarray:
+    sinks = (rng.standard_normal(H) * 4).astype(np.float32)
+    sinks[0], sinks[-1] = 60.0, -60.0  # a sink far above every score, one whose exp vanishes
+    return sinks
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("shape", SINK_SHAPES if not DISABLED else SINK_SHAPES[:2], ids=str)
+@pytest.mark.parametrize("f16_cache", [False, True])
+def test_attention_with_sinks_is_the_replay(isa, shape, f16_cache):
+    T, S, H, G, E, window = shape
+    rng = np.random.default_rng(S * 17 + T)
+    q = (rng.standard_normal((T, H, E)) * 2).astype(np.float32)
+    k, v = ((rng.standard_normal((S, G, E)) * 2).astype(np.float32) for _ in range(2))
+    if f16_cache:
+        k, v = k.astype(np.float16), v.astype(np.float16)
+    sinks = _sinks(rng, H)
+    scale = np.float32(1) / np.sqrt(np.float32(E))
+    want = replay.attention(q, k, v, S - T, scale, window, isa=isa, sinks=sinks)
+    assert not np.array_equal(want, replay.attention(q, k, v, S - T, scale, window, isa=isa))  # the sinks count
+    for threads in (1, 2):
+        assert_bitwise(x86.attention(q, k, v, S - T, scale, window, isa=isa, threads=threads, sinks=sinks), want)
+
+
+@pytest.mark.parametrize("mode", ["llamacpp", "llamacpp-avx2", "exact"])
+@pytest.mark.parametrize("T", [1, 5])
+def test_backend_attention_with_sinks(mode, T):
+    """Sinks reach the backend's attention: the compiled replay in the llamacpp numerics, the numerics' own
+    function where the f32 kernel does not know them; bit for bit the numerics' attention either way."""
+    rng = np.random.default_rng(T + 7)
+    q = rng.standard_normal((T, 6, 32)).astype(np.float32)
+    k, v = (rng.standard_normal((9, 2, 32)).astype(np.float16) for _ in range(2))
+    if mode == "exact":
+        k, v = k.astype(np.float32), v.astype(np.float32)
+    sinks = _sinks(rng, 6)
+    nm = NUMERICS[mode]
+    got = NumbaBackend(nm).attention(q, k, v, 9 - T, 0.25, window=4, sinks=sinks)
+    assert_bitwise(got, nm.attention(q, k, v, 9 - T, 0.25, window=4, sinks=sinks))
+
+
+@pytest.mark.parametrize("mode", ["llamacpp", "llamacpp-avx2"])
+def test_gpt_oss_sink_layers_run_the_compiled_replay(mode, monkeypatch):
+    """gpt-oss on the numba backend (`gpt_oss_f32` fixture, sinks on every layer, sliding and full): its attention
+    reaches the compiled replay with the sinks, prefill and decode, and the logits are those of the NumPy replay."""
+    import ggufpy
+    from conformance import fixtures as fx
+
+    model = ggufpy.load(fx.fixture_path("gpt_oss_f32"), backend="numba", tokenizer=False, numerics=mode)
+    tokens = np.arange(1, 49) * 5 % model.config.vocab_size
+
+    def run() -> np.ndarray:
+        cache = model.new_cache(capacity=len(tokens))
+        logits = [model.forward(tokens[:40], 0, cache)]
+        logits += [model.forward(tokens[i : i + 1], i, cache) for i in range(40, len(tokens))]
+        return np.concatenate(logits)
+
+    compiled, calls = x86.attention, []
+
+    def counted(q, k, v, start, scale, window=None, isa="avx512", threads=None, sinks=None):
+        calls.append(sinks is not None)
+        return compiled(q, k, v, start, scale, window, isa, threads, sinks)
+
+    monkeypatch.setattr(x86, "attention", counted)
+    got = run()
+    assert len(calls) == model.config.n_layers * (1 + 8) and all(calls)
+
+    def replayed(q, k, v, start, scale, window=None, isa="avx512", threads=None, sinks=None):
+        return replay.attention(q, k, v, start, scale, window, isa=isa, sinks=sinks)
+
+    monkeypatch.setattr(x86, "attention", replayed)
+    assert_bitwise(got, run())

@@ -343,19 +343,23 @@ class NumbaBackend(CompileAhead, ExpertProducts):
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: np.ndarray | None = None,
     ) -> np.ndarray:
         """The numerics' attention (`ops.attention` contract): a numba kernel when the numerics use the
         plain f32 `ops.attention`, otherwise the numerics' own function (e.g. llama.cpp's f16 roundings);
-        NumPy's during a BLAS prefill, to keep numba's threads idle while BLAS runs."""
+        NumPy's during a BLAS prefill, to keep numba's threads idle while BLAS runs. `sinks` (gpt-oss): the
+        compiled x86 replay knows them, the f32 kernel does not (the numerics' function then)."""
         nm = self.numerics
         threads = self._threads_for(q.shape[0] * q.shape[1] * k.shape[0] * q.shape[2])
         if nm.x86_kernels and not softcap and _is_x86_attention(nm.attention):
             # ggml's attention kernels replayed and compiled: bit-identical to the numerics' NumPy replay
-            return x86.attention(q, k, v, start, scale, window, isa=nm.x86_isa, threads=threads)
-        if nm.attention is not ops.attention or self._use_blas(q.shape[0]):
+            return x86.attention(q, k, v, start, scale, window, isa=nm.x86_isa, threads=threads, sinks=sinks)
+        if sinks is not None or nm.attention is not ops.attention or self._use_blas(q.shape[0]):
             extra = {"window": window} if window is not None else {}
             if softcap:
                 extra["softcap"] = softcap
+            if sinks is not None:
+                extra["sinks"] = sinks
             return nm.attention(q, k, v, start, scale, **extra)
         if self._pending:
             self.await_compiles(_attention_kernel)

@@ -7,8 +7,8 @@ seconds per prefill; they made the llamacpp numerics (`--numerics host`) 4-9x sl
 `acc + w * a` is the same single rounding as ggml's FMA, and every lane, horizontal sum and double sum is
 kept in ggml's order. No fastmath anywhere (a contracted or reassociated step would change bits).
 
-    attention(q, k, v, start, scale, window, isa)  == quants.x86.attention.attention (no softcap, no sinks)
-    silu_rows(x, isa)                              == quants.x86.unary.silu_rows
+    attention(q, k, v, start, scale, window, isa, sinks)  == quants.x86.attention.attention (no softcap)
+    silu_rows(x, isa)                                     == quants.x86.unary.silu_rows
 
 Each (query, head) is one task of a parallel loop; a task computes its outputs serially in ggml's order, so
 the result does not depend on the thread count.
@@ -197,19 +197,24 @@ _KEYS = 256  # outputs of the KQ product computed together: accumulators (4 * la
 
 
 @jit(inline=True)
-def _soft_max(w, lo, hi, scale, lanes, e8):
-    """w (n_kv,): the scores of keys lo <= j < hi in, fp16(soft_max_ext(w, mask, scale)) out; e8: scratch."""
+def _soft_max(w, lo, hi, scale, lanes, e8, sinks, h):
+    """w (n_kv,): the scores of keys lo <= j < hi in, fp16(soft_max_ext(w, mask, scale)) out; e8: scratch.
+    sinks: each head's sink logit (H,), or none (0,); h: this row's head."""
     n_kv = w.size
     mx = np.float32(-np.inf)
     for j in range(n_kv):
         w[j] = w[j] * scale if lo <= j < hi else -np.inf  # ggml_vec_scale_f32, then + mask (0 or -inf)
         mx = max(mx, w[j])
+    if sinks.size:  # ops.cpp soft_max with src[2] (`ggml_soft_max_add_sinks`): max = MAX(max, sk[h])
+        mx = mx if mx > sinks[h] else sinks[h]
     total = np.float64(0.0)
     for b0 in range(0, n_kv, lanes):  # ggml_vec_soft_max_f32: a block's exps, its hsum, the double sum
         for i in range(lanes):
             w[b0 + i] = _v_expf(w[b0 + i] - mx, lanes == 16)
             e8[i] = w[b0 + i]
         total += np.float64(_hsum(e8, lanes))
+    if sinks.size:  # then sum += (ggml_float) expf(sk[h] - max): the f32 difference, the C library's expf
+        total += np.float64(_libm_expf(sinks[h] - mx))
     inv = np.float32(1.0 / total)
     for j in range(n_kv):
         w[j] = round_f16(w[j] * inv)  # kq_soft_max, converted to F16's vec_dot type
@@ -230,10 +235,11 @@ def _reduce_lanes(acc, lanes, j):
 
 
 @jit(parallel=True)
-def _attention_one(q16, k, v, p, S, n_kv, scale, window, lanes, nt, out):
+def _attention_one(q16, k, v, p, S, n_kv, scale, window, sinks, lanes, nt, out):
     """One query at position p (a decoded token: both products are `ggml_vec_dot_f16`) read straight from the
-    f16 cache, k, v (S, G, E) u16 bits; q16 (H, E), out (H, E). `_attention`'s sums in `_attention`'s order,
-    without its f32 copy of the whole cache in the product layout (which cost more than the products)."""
+    f16 cache, k, v (S, G, E) u16 bits; q16 (H, E), sinks (H,) or (0,), out (H, E). `_attention`'s sums in
+    `_attention`'s order, without its f32 copy of the whole cache in the product layout (which cost more than
+    the products)."""
     H, E = q16.shape
     G = k.shape[1]
     r = H // G
@@ -259,7 +265,7 @@ def _attention_one(q16, k, v, p, S, n_kv, scale, window, lanes, nt, out):
                     d += np.float64(half_to_float(k[j, g, l]) * q16[h, l])
                 y = np.float32(d)
             w[j] = y
-        _soft_max(w, lo, hi, scale, lanes, kacc[:, 0])
+        _soft_max(w, lo, hi, scale, lanes, kacc[:, 0], sinks, h)
         acc[:] = 0.0  # kqv = ggml_vec_dot_f16 over the keys for each output e, four registers of keys
         for l in range(lo - lo % step, min(n_kv, hi), step):
             for i in range(min(step, S - l)):  # past S: llama.cpp's zero cells times p = 0, adding +0
@@ -272,8 +278,9 @@ def _attention_one(q16, k, v, p, S, n_kv, scale, window, lanes, nt, out):
 
 
 @jit(parallel=True)
-def _attention(q16, kt, vc, start, S, scale, window, lanes, nt, out):
-    """q16 (T, H, E), kt (G, E, n_kv), vc (G, n_kv, E): f32 holding f16 values (zeros past S); out (T, H, E)."""
+def _attention(q16, kt, vc, start, S, scale, window, sinks, lanes, nt, out):
+    """q16 (T, H, E), kt (G, E, n_kv), vc (G, n_kv, E): f32 holding f16 values (zeros past S); sinks (H,) or
+    (0,); out (T, H, E)."""
     T, H, E = q16.shape
     G, n_kv, _ = vc.shape
     r = H // G
@@ -293,7 +300,7 @@ def _attention(q16, kt, vc, start, S, scale, window, lanes, nt, out):
             # each output is its own column's sum, so the masked keys past hi (-inf below) are not computed
             j1 = min(j0 + _KEYS, hi)
             _f16_products(kt[g, :, j0:j1], q16[t, h], E, lanes, tb_kq, acc[:, : j1 - j0], w[j0:j1], 0, E)
-        _soft_max(w, lo, hi, scale, lanes, acc[:, 0])
+        _soft_max(w, lo, hi, scale, lanes, acc[:, 0], sinks, h)
         _f16_products(vc[g], w, n_kv, lanes, tb_kqv, acc[:, :E], out[t, h], lo, hi)  # kqv = mul_mat(V^T, fp16(p))
     use_threads(previous)
 
@@ -335,9 +342,11 @@ def attention(
     window: int | None = None,
     isa: str = "avx512",
     threads: int | None = None,
+    sinks: np.ndarray | None = None,
 ) -> np.ndarray:
-    """`quants.x86.attention.attention(q, k, v, start, scale, window, isa=isa)`, compiled (no softcap or sinks:
-    those stay with the NumPy replay). q (T, H, E) f32, k, v (S, G, E); returns (T, H*E) f32."""
+    """`quants.x86.attention.attention(q, k, v, start, scale, window, isa=isa, sinks=sinks)`, compiled (no
+    softcap: glibc's tanhf is replayed in NumPy only). q (T, H, E) f32, k, v (S, G, E), sinks (H,) gpt-oss's
+    sink logits or None; returns (T, H*E) f32."""
     T, H, E = q.shape
     S, G, _ = k.shape
     if v.shape != k.shape or H % G or S < start + T:
@@ -345,6 +354,7 @@ def attention(
     n_kv = n_kv_cells(S)
     q16 = round_f16_array(q)  # mul_mat converts the queries to F16's vec_dot type
     nt = get_threads() if threads is None else threads
+    sinks = np.empty(0, np.float32) if sinks is None else np.ascontiguousarray(sinks, np.float32).reshape(H)
     if T == 1 and k.dtype == np.float16 and v.dtype == np.float16:
         out = np.empty((H, E), np.float32)
         _attention_one(
@@ -356,6 +366,7 @@ def attention(
             n_kv,
             np.float32(scale),
             window or 0,
+            sinks,
             ISA_LANES[isa],
             nt,
             out,
@@ -367,5 +378,5 @@ def attention(
     k, v = (a.view(np.uint16) if f16 else np.asarray(a, np.float32) for a in (k, v))
     _cache_layout(k, v, f16, kt, vc)
     out = np.empty((T, H, E), np.float32)
-    _attention(q16, kt, vc, start, S, np.float32(scale), window or 0, ISA_LANES[isa], nt, out)
+    _attention(q16, kt, vc, start, S, np.float32(scale), window or 0, sinks, ISA_LANES[isa], nt, out)
     return out.reshape(T, H * E)
