@@ -33,7 +33,7 @@ import numpy as np
 from . import ops
 from .arch import MoE
 from .backend import Backend, linears
-from .numerics import Numerics, _libm_f32
+from .numerics import Numerics, _libm_f32, libm_expf
 from .weights import ExpertTensor, LayerWeights, QuantTensor
 
 _f32 = np.float32
@@ -343,9 +343,10 @@ def feed_forward(
 ) -> np.ndarray:
     """The mixture-of-experts feed-forward of one layer: x (T, D) -> (T, D). `act` is the gate activation
     (the numerics' SiLU, or the backend's compiled form of it); `k` the experts used per token."""
-    ggml_softmax = getattr(backend, "compiled", {}).get(softmax_ggml, softmax_ggml)  # numba's: the same bits
-    softmax = functools.partial(ggml_softmax, isa=numerics.x86_isa) if numerics.x86_kernels else softmax_exact
-    expf = functools.partial(_libm_f32, "expf") if numerics.x86_kernels else _expf_exact  # scalar C loops call expf
+    compiled = getattr(backend, "compiled", {})  # numba's forms of the functions below: the same bits
+    softmax = functools.partial(compiled.get(softmax_ggml, softmax_ggml), isa=numerics.x86_isa)
+    softmax = softmax if numerics.x86_kernels else softmax_exact
+    expf = compiled.get(libm_expf, libm_expf) if numerics.x86_kernels else _expf_exact  # scalar C loops call expf
     logits = backend.linear(x, w.ffn_gate_inp)  # (T, X)
     if w.ffn_gate_inp_bias is not None:
         logits = logits + w.ffn_gate_inp_bias

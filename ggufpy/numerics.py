@@ -116,6 +116,12 @@ def _libm_f32(fn: str, x: np.ndarray) -> np.ndarray:
     return np.fromiter((f(v) for v in flat.tolist()), np.float32, flat.size).reshape(x.shape)
 
 
+def libm_expf(x: np.ndarray) -> np.ndarray:
+    """The C library's expf of every element (ggml's scalar loops: swiglu_oai, sigmoid gates, router tails);
+    a backend may hold a compiled form (`NumbaBackend.compiled`), the same calls without Python per element."""
+    return _libm_f32("expf", x)
+
+
 def rope_ggml(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, style: str) -> np.ndarray:
     """`ops.rope` as ggml computes it (ops.cpp `rotate_pairs`): `x0*cos - x1*sin` and `x0*sin + x1*cos`,
     which g++ contracts to fma(x0, cos, -(x1*sin)) and fma(x0, sin, x1*cos) (checked against llama.cpp's

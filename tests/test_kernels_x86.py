@@ -45,6 +45,19 @@ def test_silu_rows_is_the_replay(isa, seed, n, scale):
     assert_bitwise(x86.silu_rows(x, isa), silu_replay(x, isa))
 
 
+def test_expf_array_is_the_c_librarys_expf():
+    """The compiled expf the MoE feed-forward takes (swiglu_oai, sigmoid gates) is libm's, element by element."""
+    from ggufpy.kernels.glue_ggml import expf_array
+    from ggufpy.numerics import libm_expf
+
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal((40, 501)) * 40).astype(np.float32)
+    x[0, :9] = [np.inf, -np.inf, np.nan, 0.0, -0.0, 88.72, 88.73, -103.9, -150.0]
+    got, want = expf_array(x), libm_expf(x)
+    assert got.shape == want.shape == x.shape
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
 @pytest.mark.parametrize("isa", ISAS)
 def test_silu_rows_special_values(isa):
     x = np.array(

@@ -20,7 +20,7 @@ import numpy as np
 
 from ._numba import DISABLED, fma_f32, jit
 
-__all__ = ["rope_ggml", "round_f16", "round_f16_array", "silu_rows", "v_expf"]
+__all__ = ["expf_array", "rope_ggml", "round_f16", "round_f16_array", "silu_rows", "v_expf"]
 
 _f32 = np.float32
 
@@ -158,6 +158,20 @@ else:
     def _libm_expf(x):
         """The C library's expf: numba lowers math.exp of a float32 to `llvm.exp.f32`, a call to expf."""
         return math.exp(np.float32(x))
+
+
+@jit
+def _expf_flat(x, out):
+    for i in range(x.size):
+        out[i] = _libm_expf(x[i])
+
+
+def expf_array(x: np.ndarray) -> np.ndarray:
+    """`numerics.libm_expf`, compiled: the C library's expf of every element (f32 in, f32 out)."""
+    x = np.ascontiguousarray(x, np.float32)
+    out = np.empty_like(x)
+    _expf_flat(x.reshape(-1), out.reshape(-1))
+    return out
 
 
 @jit
