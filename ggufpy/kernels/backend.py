@@ -78,9 +78,12 @@ FLOAT_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16)
 
 def linear_types(quantize_activations: bool) -> frozenset[GGMLType]:
     """The weight types `NumbaBackend.linear` multiplies by, from its kernel tables: the float types and the
-    packed ones, and with quantized activations (llamacpp numerics) only those with a vec_dot type here."""
-    packed = PACKED_TYPES & VEC_DOT.keys() if quantize_activations else PACKED_TYPES
-    return frozenset(FLOAT_TYPES) | packed
+    packed ones, and with quantized activations (llamacpp numerics) those with a vec_dot type here or an
+    integer kernel (`int8dot.INT8_TYPES`: NVFP4 has only that)."""
+    if not quantize_activations:
+        return frozenset(FLOAT_TYPES) | PACKED_TYPES
+    integer = int8dot.INT8_TYPES.keys() if int8dot.AVAILABLE else set()
+    return frozenset(FLOAT_TYPES) | (PACKED_TYPES & (VEC_DOT.keys() | integer))
 
 
 # -- issue 12: the formats computed from their blocks as stored (`rawblocks.py`, family "blocks") ----------------
