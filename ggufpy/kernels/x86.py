@@ -201,14 +201,18 @@ def _soft_max(w, lo, hi, scale, lanes, e8, sinks, h):
     """w (n_kv,): the scores of keys lo <= j < hi in, fp16(soft_max_ext(w, mask, scale)) out; e8: scratch.
     sinks: each head's sink logit (H,), or none (0,); h: this row's head."""
     n_kv = w.size
+    # Only the blocks of `lanes` holding keys lo..hi-1 are computed: every other block is all masked, its exps
+    # are 0 and add +0.0 to the double sum, so skipping it changes nothing; where the products read such
+    # probabilities (their lane blocks of 4 * lanes), they are set to the 0 they would be.
+    b_lo, b_hi = lo - lo % lanes, min(n_kv, hi + (-hi) % lanes)
     mx = np.float32(-np.inf)
-    for j in range(n_kv):
+    for j in range(b_lo, b_hi):
         w[j] = w[j] * scale if lo <= j < hi else -np.inf  # ggml_vec_scale_f32, then + mask (0 or -inf)
         mx = max(mx, w[j])
     if sinks.size:  # ops.cpp soft_max with src[2] (`ggml_soft_max_add_sinks`): max = MAX(max, sk[h])
         mx = mx if mx > sinks[h] else sinks[h]
     total = np.float64(0.0)
-    for b0 in range(0, n_kv, lanes):  # ggml_vec_soft_max_f32: a block's exps, its hsum, the double sum
+    for b0 in range(b_lo, b_hi, lanes):  # ggml_vec_soft_max_f32: a block's exps, its hsum, the double sum
         for i in range(lanes):
             w[b0 + i] = _v_expf(w[b0 + i] - mx, lanes == 16)
             e8[i] = w[b0 + i]
@@ -216,8 +220,11 @@ def _soft_max(w, lo, hi, scale, lanes, e8, sinks, h):
     if sinks.size:  # then sum += (ggml_float) expf(sk[h] - max): the f32 difference, the C library's expf
         total += np.float64(_libm_expf(sinks[h] - mx))
     inv = np.float32(1.0 / total)
-    for j in range(n_kv):
+    for j in range(b_lo, b_hi):
         w[j] = round_f16(w[j] * inv)  # kq_soft_max, converted to F16's vec_dot type
+    step = 4 * lanes
+    w[lo - lo % step : b_lo] = 0.0
+    w[b_hi : min(n_kv, hi + (-hi) % step)] = 0.0
 
 
 @jit(inline=True)
