@@ -147,12 +147,16 @@ def test_dequantize_is_bit_identical_to_the_reference(t, seed, n_blocks):
 @needs_numba
 def test_linear_types_come_from_the_kernel_tables():
     """What the loader asks the backend (`linear_types`): every registered weight type in the exact numerics
-    (the storage types are no weights), and in the int8 path those with a vec_dot activation format."""
+    (the storage types are no weights), and in the int8 path those with a vec_dot activation format or an
+    integer kernel (NVFP4 has only the latter)."""
+    from ggufpy.kernels import int8dot
     from ggufpy.kernels.backend import linear_types
 
     assert set(WEIGHT_TYPES) <= linear_types(False) and not STORAGE_TYPES & linear_types(False)
-    assert linear_types(True) == set(FLOAT_TYPES) | (layout.PACKED_TYPES & VEC_DOT.keys())
+    integer = int8dot.INT8_TYPES.keys() if int8dot.AVAILABLE else set()
+    assert linear_types(True) == set(FLOAT_TYPES) | (layout.PACKED_TYPES & (VEC_DOT.keys() | integer))
     assert {T.IQ2_XXS, T.IQ1_M, T.TQ1_0, T.MXFP4} <= linear_types(True)
+    assert (T.NVFP4 in linear_types(True)) == int8dot.AVAILABLE
 
 
 # -- repacking --------------------------------------------------------------------------------------------------
