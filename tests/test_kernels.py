@@ -615,11 +615,14 @@ def test_gemma3_tensors_match_the_reference(numerics):
 def test_cpu_contention_switches_to_one_thread(monkeypatch):
     from ggufpy.kernels.backend import CpuContention
 
-    samples = iter([(0.0, 0.0), (100.0, 10.0), (200.0, 190.0)])  # (machine busy, ours) in jiffies
+    # (machine busy, ours) in jiffies: others use 90, 90, 0, 90 (intervals of ~0 s: any use is over threshold)
+    samples = iter([(0.0, 0.0), (100.0, 10.0), (200.0, 20.0), (300.0, 120.0), (400.0, 130.0)])
     monkeypatch.setattr(CpuContention, "_sample", staticmethod(lambda: next(samples)))
     monitor = CpuContention(interval=0.0)
-    assert monitor.poll() is True  # others used 90 jiffies of the interval
-    assert monitor.poll() is False  # others used 10
+    assert monitor.poll() is False  # one busy interval is a burst
+    assert monitor.poll() is True  # two in a row: contention
+    assert monitor.poll() is False  # a quiet one ends it
+    assert monitor.poll() is False  # and the streak starts again
     be = NumbaBackend(threads=2, adaptive=False)
     be.contention = monitor
     monitor.contended = True

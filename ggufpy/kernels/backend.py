@@ -113,14 +113,19 @@ class CpuContention:
     numba's parallel loops are fork-join: a product on two threads waits for both, and when another process
     holds a core the second thread may only get it a scheduler time slice later (milliseconds, for a product
     that takes microseconds). Measured on 2 cores under a load average of 4: 2 threads 1-10 tok/s, 1 thread
-    30-70 tok/s. So the backend drops to one thread while other processes use more than `threshold` cores.
-    Off Linux (no /proc/stat) it never reports contention.
+    30-70 tok/s. So the backend drops to one thread while other processes use more than `threshold` cores,
+    for `windows` intervals in a row: a single busy interval is mostly a burst (a client starting its requests,
+    measured at 0.6-1.4 cores for 0.25 s at the start of each burst of `ggufpy bench --server`), and dropping to
+    one thread for it cost the server a third of its 8-stream throughput. Off Linux (no /proc/stat) it never
+    reports contention.
     """
 
-    def __init__(self, interval: float = 0.25, threshold: float = 0.5):
+    def __init__(self, interval: float = 0.25, threshold: float = 0.5, windows: int = 2):
         self.interval = interval
         self.threshold = threshold
+        self.windows = windows
         self.contended = False
+        self._streak = 0  # intervals in a row in which other processes used more than `threshold` cores
         self._last = self._sample()
         self._next = time.monotonic() + interval
 
@@ -143,7 +148,8 @@ class CpuContention:
             if sample is not None:
                 elapsed = (now - self._next + self.interval) * os.sysconf("SC_CLK_TCK")
                 others = (sample[0] - self._last[0]) - (sample[1] - self._last[1])
-                self.contended = others > self.threshold * elapsed
+                self._streak = self._streak + 1 if others > self.threshold * elapsed else 0
+                self.contended = self._streak >= self.windows
                 self._last = sample
             self._next = now + self.interval
         return self.contended
