@@ -304,3 +304,26 @@ def test_chat_page_in_a_browser(server):
             page.screenshot(path=str(ARTIFACT))
         finally:
             browser.close()
+
+
+def test_chat_template_stop_strings_end_chat_replies(model):
+    """A template's stop strings (plain-text formats have no end-of-turn token) end chat replies as a request's
+    own `stop` would, and leave text completions alone."""
+    from fastapi.testclient import TestClient
+
+    from ggufpy.chat import ChatTemplate
+
+    own = ChatTemplate.from_tokenizer(model.tokenizer, warn=False)
+    body = {"messages": [{"role": "user", "content": "Tell me a story about a cat."}], "max_tokens": 12, "temperature": 0}
+    with TestClient(create_app(model, parallel=1, ctx_size=CTX, model_id=MODEL_ID)) as c:
+        full = c.post("/v1/chat/completions", json=body).json()["choices"][0]
+    words = full["message"]["content"].split()
+    assert full["finish_reason"] == "length" and len(words) >= 3
+    stop = " " + words[2]  # a piece the greedy reply contains after its first words
+    template = ChatTemplate(own.template, own.bos_token, own.eos_token, name="test", stop=(stop,))
+    with TestClient(create_app(model, parallel=1, ctx_size=CTX, model_id=MODEL_ID, chat_template=template)) as c:
+        cut = c.post("/v1/chat/completions", json=body).json()["choices"][0]
+        text = c.post("/v1/completions", json={"prompt": full["message"]["content"], "max_tokens": 4}).json()
+    assert cut["finish_reason"] == "stop"
+    assert cut["message"]["content"] == full["message"]["content"][: full["message"]["content"].index(stop)]
+    assert text["choices"][0]["finish_reason"] == "length"  # not a chat: the template's stops do not apply

@@ -50,10 +50,12 @@ def create_app(
     chat_template: ChatTemplate | None = None,
 ):
     """The FastAPI app serving `model` with `parallel` slots of `ctx_size` positions each; chats are rendered
-    with `chat_template` (default: the model's own, `ChatTemplate.from_tokenizer`)."""
+    with `chat_template` (default: the one `ggufpy run` picks, `ChatTemplate.from_tokenizer` with the file's
+    metadata); its stop strings (a plain-text format's "\nUser:") end every chat reply."""
     scheduler = Scheduler(model, parallel=parallel, ctx_size=ctx_size)
     tokenizer = model.tokenizer
-    template = chat_template or ChatTemplate.from_tokenizer(tokenizer, warn=False)
+    metadata = getattr(getattr(model, "file", None), "metadata", None)
+    template = chat_template or ChatTemplate.from_tokenizer(tokenizer, metadata, warn=False)
     created = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -89,7 +91,9 @@ def create_app(
             raise APIError(404, f"model {name!r} is not served here; this server has {model_id!r}", param="model")
 
     # -- generation --------------------------------------------------------------------------------------
-    def jobs(body, prompt: list[int], top: int | None, grammar: str | None, specials: bool = False) -> list[Job]:
+    def jobs(
+        body, prompt: list[int], top: int | None, grammar: str | None, specials: bool = False, stops=()
+    ) -> list[Job]:
         room = ctx_size - len(prompt)
         if room < 1:
             raise APIError(
@@ -109,7 +113,7 @@ def create_app(
                 raise APIError(400, str(e)) from None
             if params.logit_bias and not all(0 <= t < model.config.vocab_size for t in params.logit_bias):
                 raise APIError(400, f"logit_bias: token ids must be in 0..{model.config.vocab_size - 1}", "logit_bias")
-            job = Job(prompt, min(max_tokens, room), Sampler(params), body.stops(), top, body.cache_prompt)
+            job = Job(prompt, min(max_tokens, room), Sampler(params), stops, top, body.cache_prompt)
             job.constraint = None if grammar is None else Constraint(token_table(tokenizer), grammar)
             job.specials = specials
             out.append(job)
@@ -181,10 +185,11 @@ def create_app(
             spec = toolcalls.structured(tool_format, spec)
         grammar = await compile_(spec, param)
         specials = tool_format is not None and tool_format.specials  # its reader tells tags by their tokens
+        stops = body.stops() + (tuple(s for s in template.stop if s not in body.stops()) if chat else ())
         if grammar is None:
-            jobs_ = jobs(body, prompt, top, None, specials)
+            jobs_ = jobs(body, prompt, top, None, specials, stops)
         else:  # building a grammar's matchers can take a while: not on the event loop
-            jobs_ = await asyncio.to_thread(jobs, body, prompt, top, grammar, specials)
+            jobs_ = await asyncio.to_thread(jobs, body, prompt, top, grammar, specials, stops)
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         obj = "chat.completion" if chat else "text_completion"
         head = {"id": ident, "created": int(time.time()), "model": model_id, "system_fingerprint": "ggufpy"}
