@@ -42,7 +42,8 @@ class MoE:
     # limit 7: min(gate, 7) * sigmoid(1.702 min(gate, 7)) * (clamp(up, -7, 7) + 1))
     glu: Literal["swiglu", "swiglu_oai"] = "swiglu"
     # deepseek2 (src/models/deepseek2.cpp): gating, norm_weights and weights_scale read from expert_gating_func,
-    # expert_weights_norm and expert_weights_scale (`config.moe_fields`); the first leading_dense_block_count
+    # expert_weights_norm and expert_weights_scale (`config.moe_fields`; an unset gating func is `gating`: softmax
+    # for deepseek2, sigmoid_probs for glm4moe); the first leading_dense_block_count
     # layers dense; the optional `exp_probs_b` (X,) added to the probabilities for the choice only
     routing_keys: bool = False
     leading_dense: bool = False
@@ -66,6 +67,8 @@ class ArchSpec:
     activation: Literal["silu", "gelu_tanh"] = "silu"
     qkv_bias: bool = False  # attn_q/k/v carry a bias (qwen2)
     qk_norm: bool = False  # RMSNorm over each head of Q and K before RoPE (qwen3, gemma3)
+    # the Q/K norms only where the file has attn_q_norm (glm4moe: GLM-4.5 has them, 4.5-Air not; TENSOR_NOT_REQUIRED)
+    qk_norm_optional: bool = False
     post_norms: bool = False  # RMSNorm on the attention and FFN outputs before the residual add (gemma2/3)
     embed_scale: bool = False  # token embeddings times sqrt(dim) (gemma)
     # Q is multiplied by the attention scale (f32) before the KQ matmul, which then runs unscaled (gemma*:
@@ -124,6 +127,9 @@ class ArchSpec:
     attn_sinks: bool = False
     attn_output_bias: bool = False
     ffn_norm_name: str = "ffn_norm"
+    # the last `{arch}.nextn_predict_layers` blocks are multi-token-prediction heads: llama.cpp loads their tensors
+    # (TENSOR_SKIP) but runs the first block_count - nextn_predict_layers blocks only (glm4moe)
+    nextn: bool = False
 
     def fused_block(self) -> bool:
         """Whether this architecture's block is the one `kernels.layer.decode_block` computes, as far as the
@@ -254,6 +260,26 @@ ARCHITECTURES: dict[str, ArchSpec] = {
             "deepseek2",
             mixer="mla",
             moe=MoE(shared_expert="expert_count", routing_keys=True, leading_dense=True, probs_bias=True),
+        ),
+        # GLM-4.5 / 4.5-Air / 4.6 (src/models/glm4-moe.cpp): neox RoPE over part of each head (partial_rotary_factor
+        # 0.5), Q/K/V biases, Q/K norms where the file has them, the FFN's pre-norm stored as post_attention_norm;
+        # deepseek2's routing (sigmoid when expert_gating_func is unset, exp_probs_b) with its shared experts and
+        # leading dense layers; the MTP blocks at the end skipped
+        ArchSpec(
+            "glm4moe",
+            rope_style="neox",
+            qkv_bias=True,
+            qk_norm=True,
+            qk_norm_optional=True,
+            ffn_norm_name="post_attention_norm",
+            moe=MoE(
+                gating="sigmoid_probs",
+                shared_expert="expert_count",
+                routing_keys=True,
+                leading_dense=True,
+                probs_bias=True,
+            ),
+            nextn=True,
         ),
         # gpt-oss 20b / 120b: alternating sliding-window and full layers (set_swa_pattern(2)), YaRN from the
         # metadata, Q/K/V/output biases, sinks, and a MoE whose softmax runs over the chosen experts only

@@ -15,7 +15,7 @@ import numpy as np
 from . import schema
 from .arch import ArchSpec, MoE, arch_spec
 from .deltanet import DeltaNetConfig, deltanet_config
-from .errors import GGUFMetadataError
+from .errors import GGUFMetadataError, GGUFUnsupportedError
 from .mla import MLAConfig, mla_config
 from .numerics import logf
 from .ops import RopeExt, yarn_corr_dims
@@ -62,10 +62,13 @@ MOE_KEYS: dict[str, schema.Key] = {
 }
 # expert groups, which llama.cpp reads for every architecture (`load_hparams`), and deepseek2's routing keys
 # (`MoE.routing_keys`, src/models/deepseek2.cpp): field -> key. expert_gating_func is llama.cpp's
-# llama_expert_gating_func_type; 0 (unset) means softmax, for the DeepSeek V2 files older than the key.
+# llama_expert_gating_func_type; 0 (unset) means the architecture's `MoE.gating` (its loader's fallback: softmax
+# for the DeepSeek V2 files older than the key, sigmoid for glm4moe).
 _COUNT = schema.Rule("an integer >= 0", lambda v: v >= 0)
-GATING_FUNCS = {0: "softmax", 1: "softmax", 2: "sigmoid_probs", 3: "softmax_weight"}
-_GATING = schema.Rule("0, 1 (softmax), 2 (sigmoid) or 3 (softmax_weight), not 4 (sqrt_softplus)", GATING_FUNCS.get)
+GATING_FUNCS = {0: None, 1: "softmax", 2: "sigmoid_probs", 3: "softmax_weight"}
+_GATING = schema.Rule(
+    "0, 1 (softmax), 2 (sigmoid) or 3 (softmax_weight), not 4 (sqrt_softplus)", lambda v: v in GATING_FUNCS
+)
 GROUP_KEYS: dict[str, schema.Key] = {
     "groups": schema.Key("{arch}.expert_group_count", "integer", _COUNT, default=0),
     "groups_used": schema.Key("{arch}.expert_group_used_count", "integer", _COUNT, default=0),
@@ -77,6 +80,9 @@ ROUTING_KEYS: dict[str, schema.Key] = {
     "gating": schema.Key("{arch}.expert_gating_func", "integer", _GATING, default=0),
     "leading_dense": schema.Key("{arch}.leading_dense_block_count", "integer", _COUNT, default=0),
 }
+# glm4moe's multi-token-prediction blocks, the last ones of block_count (`arch.nextn`): llama.cpp asserts
+# n_layer_nextn < n_layer_all and runs the blocks before them
+NEXTN_KEY = schema.Key("{arch}.nextn_predict_layers", "integer", _COUNT, default=0)
 
 # llama4 (src/models/llama4.cpp `load_arch_hparams`): literals there, no metadata keys. Chunks of 8192 positions on
 # the chunked layers, the temperature 1 + 0.1 ln(1 + floor((pos + 1) / 8192)) on the NoPE ones; the MoE layers
@@ -141,6 +147,7 @@ class ModelConfig:
     expert_hidden_dim: int = 0  # expert_feed_forward_length: each expert's inner width
     shared_hidden_dim: int = 0  # expert_shared_feed_forward_length: the shared expert's; 0 = none
     leading_dense: int = 0  # leading_dense_block_count: the first layers' feed-forward is dense (deepseek2)
+    nextn_layers: int = 0  # nextn_predict_layers: MTP blocks in the file after the n_layers run (`arch.nextn`)
     # the architecture's MoE record completed by the metadata: deepseek2's gating, weight norm and scale, any
     # architecture's expert groups (`routing`)
     moe_routing: MoE | None = None
@@ -262,6 +269,14 @@ def config_from_metadata(md: Mapping[str, Any], vocab_size: int, source: str | N
     def key(field: str) -> str:
         return schema.MODEL_KEYS[field].name.replace("{arch}", a)
 
+    nextn = {}
+    if spec.nextn:  # glm4moe: the MTP blocks are in block_count but never run (n_layer = n_layer_all - nextn)
+        n = schema.read(md, NEXTN_KEY, arch=a, source=source)
+        if n >= v["n_layers"]:
+            raise schema.fail(
+                NEXTN_KEY.name.replace("{arch}", a), n, f"must be < {key('n_layers')} = {v['n_layers']}", source
+            )
+        v["n_layers"], nextn["nextn_layers"] = v["n_layers"] - n, n
     n_heads = v["n_heads"]
     n_kv_heads = v["n_kv_heads"] or n_heads
     if n_heads % n_kv_heads:
@@ -274,6 +289,14 @@ def config_from_metadata(md: Mapping[str, Any], vocab_size: int, source: str | N
         raise schema.fail(key("rope_dim"), rope_dim, f"must be even and <= the head size {head_dim}", source)
     if vocab_size <= 0:
         raise GGUFMetadataError(f"{source or 'model'}: token_embd has {vocab_size} rows: no vocabulary")
+    sections = md.get(f"{a}.rope.dimension_sections")
+    if spec.mixer != "hybrid" and sections is not None and any(np.asarray(sections).ravel()):
+        # llama.cpp's ggml_rope_multi (M-RoPE: GLM-4.5V, the VL models); plain RoPE would run silently wrong
+        listed = np.asarray(sections).ravel().tolist()
+        raise GGUFUnsupportedError(
+            f"{source or 'model'}: {a}.rope.dimension_sections = {listed}: multi-section RoPE (M-RoPE) "
+            f"is not supported for {a}"
+        )
     scaling = rope_scaling(md, spec, v, source)
     multipliers = schema.read_all(md, MULTIPLIER_KEYS, arch=a, source=source) if spec.multipliers else {}
     if spec.logit_scale != "none":  # ggml_scale(cur, 1.0f / f_logit_scale) (granite) or (cur, f_logit_scale)
@@ -331,6 +354,7 @@ def config_from_metadata(md: Mapping[str, Any], vocab_size: int, source: str | N
         **temperature,
         **experts,
         **hybrid,
+        **nextn,
     )
 
 
@@ -354,7 +378,7 @@ def moe_fields(md: Mapping[str, Any], spec: ArchSpec, v: dict[str, Any], source:
             lead = ROUTING_KEYS["leading_dense"].name.replace("{arch}", a)
             raise schema.fail(lead, r["leading_dense"], f"must be <= block_count = {v['n_layers']}", source)
         e["leading_dense"], e["n_shared"] = r["leading_dense"], r["n_shared"]
-        routing.update(gating=GATING_FUNCS[r["gating"]], norm_weights=r["norm_weights"])
+        routing.update(gating=GATING_FUNCS[r["gating"]] or spec.moe.gating, norm_weights=r["norm_weights"])
         routing.update(weights_scale=r["weights_scale"])
     e["moe_routing"] = replace(spec.moe, **routing)
     if not spec.moe.expert_width_key:

@@ -214,7 +214,7 @@ def load_weights(f: GGUFFile, cfg: ModelConfig, layers: range) -> Weights:
                 attn_k_bias=vector(f, p + "attn_k.bias", K),
                 attn_v_bias=vector(f, p + "attn_v.bias", K),
             )
-        if arch.qk_norm:
+        if arch.qk_norm and (not arch.qk_norm_optional or p + "attn_q_norm.weight" in f.tensors):
             q_len, k_len = (Q, K) if arch.qk_norm_span == "all" else (cfg.head_dim, cfg.head_dim)
             extra.update(
                 attn_q_norm=vector(f, p + "attn_q_norm.weight", q_len),
@@ -275,6 +275,8 @@ def expert_tensors(f: GGUFFile, cfg: ModelConfig, p: str) -> dict[str, QuantTens
     out["ffn_gate_inp"] = tensor(f, p + "ffn_gate_inp.weight", (X, D))
     if moe.biases:
         out["ffn_gate_inp_bias"] = vector(f, p + "ffn_gate_inp.bias", X)
+    if moe.probs_bias and p + "exp_probs_b.bias" in f.tensors:  # glm4moe (deepseek2's: `mla.load_layer`)
+        out["ffn_exp_probs_b"] = vector(f, p + "exp_probs_b.bias", X)
     for name, shape in (("ffn_gate_exps", (X, Fe, D)), ("ffn_up_exps", (X, Fe, D)), ("ffn_down_exps", (X, D, Fe))):
         t = tensor(f, p + name + ".weight", shape)
         bias = tensor(f, p + name + ".bias", shape[:2]).dequantize() if moe.biases else None  # (X, out)
