@@ -7,11 +7,13 @@ llama.cpp never multiplies quantized weights by f32 activations: each activation
 weight's vec_dot type (Q8_0, Q8_1 or Q8_K) and the block dots are integer (`vpmaddubsw`, `vpmaddwd`), then
 scaled per block in f32. The kernels here do the same (`int8ir.py`: AVX2 IR, one weight row . one activation
 row per call) over the GGUF rows as stored, each weight byte read once per call, and 32 multiply-adds per
-instruction instead of unpacking every weight to f32. Q4_0 and Q4_K (out % 8 == 0) are the exception: they are
-copied into groups of eight rows that stream as one (`interleaved`, as ggml repacks them), and the file's pages
-are released after the copy, so they too are resident once (1.0x). Measured at 1B on one thread, decode was
-1.7x (Q4_0) and 2x (Q4_K_M) the GGUF-row kernels: eight short row streams (1152 bytes each at dim 2048) starve
-the hardware prefetcher, one long stream does not (docs/performance.md). For prefill, the grouped Q4_K gemm and
+instruction instead of unpacking every weight to f32. Q4_0, Q4_K and Q8_0 (out % 8 == 0) are the exception:
+they are copied into groups of eight rows that stream as one (`interleaved`, as ggml repacks them), and the
+file's pages are released after the copy, so they too are resident once (1.0x). Measured at 1B on one thread,
+decode was 1.7x (Q4_0) and 2x (Q4_K_M) the GGUF-row kernels: eight short row streams (1152 bytes each at dim
+2048) starve the hardware prefetcher, one long stream does not (docs/performance.md). Q8_0 keeps ggml's
+per-row vec_dot (llama.cpp does not repack it on x86): its groups give eight independent FMA chains
+(`int8ir_q8_0_x8`). For prefill, the grouped Q4_K gemm and
 Q6_K's tiled kernel unpack each weight block once for all activation rows (`int8ir_x8_gemm.py`, as ggml's
 repacked gemm does for four). Since the integer sums are
 exact and the f32 steps follow the ggml kernel that `ggufpy.quants.x86` replays for the type and shape
@@ -305,6 +307,10 @@ if AVAILABLE:
     }
     _K_KERNELS = {GGMLType.Q4_K: _mv_q4_k, GGMLType.Q6_K: _mv_q6_k}
     _GROUPED = {GGMLType.Q4_0: _mv_q4_0x8, GGMLType.Q4_K: _mv_q4_kx8}  # the kernels of `interleaved` weights
+    from . import int8ir_q8_0_x8
+
+    _GROUPED[GGMLType.Q8_0] = int8ir_q8_0_x8.q8_0x8_kernel  # ggml's vec_dot per row, eight rows in one stream
+    _GROUP_COPIES = {GGMLType.Q8_0: int8ir_q8_0_x8.interleave_q8_0}  # group copies kept beside their kernel
 
     # issue 12's types (IQ1-IQ3, TQ, MXFP4, NVFP4, Q1_0): type -> (format, block bytes, elements, kernel)
     from .int8lowbit import KERNELS as _LOWBIT
@@ -329,7 +335,7 @@ class Int8Weight:
 def weight(w: QuantTensor, interleave: bool = True) -> Int8Weight | None:
     """The integer-kernel form of `w`, or None when it has none (type, shape, CPU): then the f32 kernels run.
     Q4_0 with out % 8 == 0 is repacked by llama.cpp (one lane per output); Q4_K with out % 8 != 0 runs a
-    vec_dot whose lanes are not written here. `interleave`: copy Q4_0 and Q4_K into eight-row groups
+    vec_dot whose lanes are not written here. `interleave`: copy Q4_0, Q4_K and Q8_0 into eight-row groups
     (`interleaved`); False keeps the GGUF rows (the kernels before, for comparison: scripts/bench_int8.py)."""
     if not AVAILABLE or w.type not in INT8_TYPES or len(w.shape) != 2:
         return None
@@ -347,11 +353,16 @@ def weight(w: QuantTensor, interleave: bool = True) -> Int8Weight | None:
 
 
 def interleaved(iw: Int8Weight) -> Int8Weight | None:
-    """Q4_0 or Q4_K rows copied into groups of eight that stream as one (`int8ir_x8`: Q4_0's layout is drawn
-    there, Q4_K's is block b of the eight rows side by side), or None for other types and shapes. Same
-    products bit for bit; the file's pages are released after the copy (1.0x its bytes resident, not 2x)."""
+    """Q4_0, Q4_K or Q8_0 rows copied into groups of eight that stream as one (`int8ir_x8`: Q4_0's layout is
+    drawn there, Q4_K's is block b of the eight rows side by side; Q8_0's in `int8ir_q8_0_x8`), or None for
+    other types and shapes. Same products bit for bit; the file's pages are released after the copy (1.0x its
+    bytes resident, not 2x)."""
     if iw.type not in _GROUPED or iw.rows % 8 or iw.raw.shape[0] != iw.rows:
         return None
+    if iw.type in _GROUP_COPIES:  # Q8_0 (`int8ir_q8_0_x8`): copied chunk by chunk, pages released as it goes
+        out = _GROUP_COPIES[iw.type](iw.raw)
+        release_pages(iw.raw)
+        return Int8Weight(iw.type, iw.rows, iw.cols, iw.fmt, out, _GROUPED[iw.type], iw.k_type)
     word = np.dtype(np.uint16 if iw.type == GGMLType.Q4_0 else np.uint64)  # fewer, wider element copies
     G, size = iw.rows // 8, INT8_TYPES[iw.type][1] // word.itemsize
     nb = iw.raw.shape[1] // word.itemsize // size
