@@ -332,6 +332,34 @@ def _add_bias(y: np.ndarray, w: ExpertTensor, chosen: np.ndarray) -> np.ndarray:
     return y if w.bias is None else y + w.bias[chosen]
 
 
+def gated(
+    gate: np.ndarray,
+    up: np.ndarray,
+    w: LayerWeights,
+    chosen: np.ndarray,
+    moe: MoE,
+    act: Callable[[np.ndarray], np.ndarray],
+    expf: Callable[[np.ndarray], np.ndarray],
+) -> np.ndarray:
+    """The experts' gated unit on gate, up (T, K, Fe): their biases (gpt-oss), then `swiglu_oai` or act(gate) * up."""
+    gate, up = _add_bias(gate, w.ffn_gate_exps, chosen), _add_bias(up, w.ffn_up_exps, chosen)
+    if moe.glu == "swiglu_oai":
+        return swiglu_oai(gate, up, expf)
+    return swiglu(gate, up, act)
+
+
+def combine(y: np.ndarray, w_down: ExpertTensor, chosen: np.ndarray, weights: np.ndarray, moe: MoE) -> np.ndarray:
+    """The experts' outputs y (T, K, D) -> (T, D): plus the down bias (gpt-oss), times their weights (unless they
+    weighted the input: llama4), the K slots added one after another."""
+    y = _add_bias(y, w_down, chosen)
+    if not moe.weights_on_input:
+        y = y * weights[..., None]  # ggml_mul broadcasting the (1, K, T) weights
+    out = y[:, 0]
+    for slot in range(1, y.shape[1]):  # ggml_add of the slots' views, one after another
+        out = out + y[:, slot]
+    return out
+
+
 def feed_forward(
     x: np.ndarray,
     w: LayerWeights,
@@ -344,6 +372,7 @@ def feed_forward(
     """The mixture-of-experts feed-forward of one layer: x (T, D) -> (T, D). `act` is the gate activation
     (the numerics' SiLU, or the backend's compiled form of it); `k` the experts used per token."""
     compiled = getattr(backend, "compiled", {})  # numba's forms of the functions below: the same bits
+    steps = getattr(backend, "moe_steps", {})  # numba's forms of route, gated, combine: the same bits
     softmax = functools.partial(compiled.get(softmax_ggml, softmax_ggml), isa=numerics.x86_isa)
     softmax = softmax if numerics.x86_kernels else softmax_exact
     expf = compiled.get(libm_expf, libm_expf) if numerics.x86_kernels else _expf_exact  # scalar C loops call expf
@@ -351,23 +380,14 @@ def feed_forward(
     if w.ffn_gate_inp_bias is not None:
         logits = logits + w.ffn_gate_inp_bias
     bias = w.ffn_exp_probs_b if moe.probs_bias else None  # deepseek2's exp_probs_b (or None: not in the file)
-    chosen, weights = route(logits, moe, k, softmax, expf, bias)  # (T, K) each
+    chosen, weights = steps.get(route, route)(logits, moe, k, softmax, expf, bias)  # (T, K) each
     inputs = x  # llama4: ggml_mul(ggml_repeat_4d(x), weights), each expert on its weighted copy (T, K, D)
     if moe.weights_on_input:
         inputs = x[:, None, :] * weights[..., None]
     gate, up = expert_products(backend, inputs, (w.ffn_gate_exps, w.ffn_up_exps), chosen)  # (T, K, Fe) each
-    gate, up = _add_bias(gate, w.ffn_gate_exps, chosen), _add_bias(up, w.ffn_up_exps, chosen)
-    if moe.glu == "swiglu_oai":
-        h = swiglu_oai(gate, up, expf)
-    else:
-        h = swiglu(gate, up, act)
+    h = steps.get(gated, gated)(gate, up, w, chosen, moe, act, expf)  # (T, K, Fe)
     (y,) = expert_products(backend, h, (w.ffn_down_exps,), chosen)  # (T, K, D)
-    y = _add_bias(y, w.ffn_down_exps, chosen)
-    if not moe.weights_on_input:
-        y = y * weights[..., None]  # ggml_mul broadcasting the (1, K, T) weights
-    out = y[:, 0]
-    for slot in range(1, k):  # ggml_add of the slots' views, one after another
-        out = out + y[:, slot]
+    out = steps.get(combine, combine)(y, w.ffn_down_exps, chosen, weights, moe)  # (T, D)
     if w.ffn_gate_shexp is not None:  # a shared expert, which every token runs
         gate_s, up_s = linears(backend, x, (w.ffn_gate_shexp, w.ffn_up_shexp))  # (T, Fs) each
         shared = backend.linear(swiglu(gate_s, up_s, act), w.ffn_down_shexp)  # (T, D)

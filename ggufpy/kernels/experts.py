@@ -1,8 +1,7 @@
-"""The numba backend's mixture-of-experts pieces (`ggufpy.moe`): stacked experts and the router's softmax, compiled.
+"""The numba backend's mixture-of-experts pieces (`ggufpy.moe`): stacked experts; the glue is `moe_glue`.
 
     stack = expert_stack(ffn_gate_exps)        # (X, G, group bytes): every expert's eight-row groups, copied once
     ys = mul_mat_id(stacks, ids, x, nt)        # decode: row k of x (K, in) times expert ids[k] of each stack
-    probs = softmax_ggml(logits, isa)          # == moe.softmax_ggml, bit for bit
 
 In the llamacpp numerics Q4_0 and Q4_K weights are copied into eight-row groups (`int8dot.interleaved`). An
 expert stack holds those copies for all X experts of one `ExpertTensor` in one array, built once (on first use
@@ -23,6 +22,7 @@ bytes): the kernel could read the GGUF rows in place (`int8ir_fp4.mxfp4_dot8`), 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
@@ -31,46 +31,11 @@ from ..weights import ExpertTensor
 from . import int8dot
 from ._numba import jit, prange, use_threads
 from .layout import release_pages
-from .x86 import ISA_LANES, _hsum, _libm_expf, _v_expf
+from .moe_glue import STEPS, softmax_ggml
 
 __all__ = ["ExpertProducts", "ExpertStack", "expert_stack", "mul_mat_id", "softmax_ggml"]
 
 _f32 = np.float32
-
-
-# -- the router's softmax (`moe.softmax_ggml`) ----------------------------------------------------------------------
-@jit
-def _softmax_rows(x, lanes, out):
-    rows, n = x.shape
-    body = n - n % lanes
-    wide = lanes == 16
-    block = np.empty(lanes, np.float32)
-    for r in range(rows):
-        peak = x[r, 0]
-        for i in range(1, n):
-            peak = max(peak, x[r, i])
-        total = 0.0  # double, as ggml_vec_soft_max_f32's ggml_float
-        for b in range(0, body, lanes):  # each SIMD block's horizontal sum, added in block order
-            for j in range(lanes):
-                e = _v_expf(x[r, b + j] - peak, wide)
-                out[r, b + j] = e
-                block[j] = e
-            total += _hsum(block, lanes)
-        for i in range(body, n):  # the scalar tail: the C library's expf
-            e = _libm_expf(x[r, i] - peak)
-            out[r, i] = e
-            total += e
-        scale = np.float32(1.0 / total)
-        for i in range(n):
-            out[r, i] = out[r, i] * scale
-
-
-def softmax_ggml(x: np.ndarray, isa: str = "avx512") -> np.ndarray:
-    """`moe.softmax_ggml(x, isa)` compiled: ggml_soft_max of each row (T, n), bit for bit."""
-    x = np.ascontiguousarray(x, _f32)
-    out = np.empty_like(x)
-    _softmax_rows(x.reshape(-1, x.shape[-1]), ISA_LANES[isa], out.reshape(-1, x.shape[-1]))
-    return out
 
 
 # -- expert stacks ----------------------------------------------------------------------------------------------------
@@ -112,14 +77,14 @@ def expert_stack(et: ExpertTensor) -> ExpertStack | None:
 def _mxfp4_stack(et: ExpertTensor) -> ExpertStack | None:
     """MXFP4 experts of out % 8 == 0 rows copied into eight-row groups (`int8ir_fp4_x8.interleave_mxfp4`),
     one expert at a time, each expert's file pages released after its copy; None otherwise."""
-    first = int8dot.weight(et.expert(0))
+    first = int8dot.weight(et.expert(0), interleave=False)
     if first is None or first.rows % 8:
         return None
     rows, cols = et.shape[1:]
     G, nb = rows // 8, cols // 32
     w = np.empty((len(et.experts), G, nb * int8ir_fp4_x8.MXFP4X8_BYTES), np.uint8)
     for e in range(len(et.experts)):
-        raw = int8dot.weight(et.expert(e)).raw  # u8 (rows, nb * 17), a view of the file
+        raw = int8dot.weight(et.expert(e), interleave=False).raw  # u8 (rows, nb * 17), a view of the file
         int8ir_fp4_x8.interleave_mxfp4(raw, out=w[e])
         release_pages(raw)
     kernel = int8ir_fp4_x8.mxfp4x8_kernel
@@ -194,6 +159,9 @@ class ExpertProducts:
     """`NumbaBackend`'s expert stacks: `moe.expert_products` asks `expert_products` first. Uses the backend's
     `_integer`, `_int8`, `_expert_stacks`, `_expert_calls` and `_threads_for`."""
 
+    # `moe` reference steps -> their compiled forms (`moe_glue`), which `moe.feed_forward` calls instead
+    moe_steps: ClassVar[dict] = STEPS
+
     def expert_stack(self, et: ExpertTensor) -> ExpertStack | None:
         """All experts of `et` in eight-row groups in one array (`experts.expert_stack`), built once; its
         per-expert views become the experts' integer forms, so a product by one expert reads the same copy."""
@@ -220,6 +188,7 @@ class ExpertProducts:
             return None
         K = chosen.shape[1]
         _, rows, cols = ws[0].shape
-        xs = np.broadcast_to(x.reshape(-1, cols), (K, cols))  # (K, in): row k for expert chosen[0, k]
+        xs = x.reshape(-1, cols)  # (K, in): row k for expert chosen[0, k]; gate and up share x's one row
+        xs = np.repeat(xs, K, axis=0) if len(xs) != K else xs  # a copy (not broadcast_to's view): quantized as is
         ys = mul_mat_id(stacks, chosen[0], xs, self._threads_for(K * rows * cols * len(ws)))  # [(K, out)]
         return [y[None] for y in ys]

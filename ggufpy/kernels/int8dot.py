@@ -311,6 +311,10 @@ if AVAILABLE:
 
     _GROUPED[GGMLType.Q8_0] = int8ir_q8_0_x8.q8_0x8_kernel  # ggml's vec_dot per row, eight rows in one stream
     _GROUP_COPIES = {GGMLType.Q8_0: int8ir_q8_0_x8.interleave_q8_0}  # group copies kept beside their kernel
+    from . import int8ir_fp4_x8
+
+    _GROUPED[GGMLType.MXFP4] = int8ir_fp4_x8.mxfp4x8_kernel  # the repacked gemv / gemm's order, as the rows' kernel
+    _GROUP_COPIES[GGMLType.MXFP4] = int8ir_fp4_x8.interleave_mxfp4
 
     # issue 12's types (IQ1-IQ3, TQ, MXFP4, NVFP4, Q1_0): type -> (format, block bytes, elements, kernel)
     from .int8lowbit import KERNELS as _LOWBIT
