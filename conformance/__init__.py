@@ -8,3 +8,4 @@ and the golden tests read the committed files under `conformance/fixtures/` and 
 # fixtures_llama4 and fixtures_deepseek build on fixtures_moe), whichever of them is imported first
 from . import fixtures, fixtures_hybrid, fixtures_moe, fixtures_llama4, fixtures_gemma4, fixtures_deepseek  # noqa: F401, I001
 from . import fixtures_glm4moe  # noqa: F401  (builds on fixtures_moe too)
+from . import fixtures_lfm2  # noqa: F401

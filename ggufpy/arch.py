@@ -115,6 +115,9 @@ class ArchSpec:
     # "gemma4": attention with per-layer shapes, shared-KV layers and per-layer embeddings (`ggufpy.gemma4`)
     # "mla": deepseek2's multi-head latent attention, a latent K-only cache (`ggufpy.mla`)
     mixer: Literal["attention", "hybrid", "gemma4", "mla"] = "attention"
+    # a hybrid architecture's recurrent layers: Gated DeltaNet beside gated attention (qwen35*), or LFM2's short conv
+    # beside the plain attention (`ggufpy.shortconv`); their config is `ModelConfig.recurrent`
+    recurrent: Literal["deltanet", "shortconv"] = "deltanet"
     # llama4 (src/models/llama4.cpp): the MoE feed-forward on every `interleave_moe_layer_step`-th layer, dense
     # elsewhere; the `swa_pattern` local layers are chunked (a query sees its own chunk of `CHUNK_SIZE` positions),
     # the global ones NoPE with the temperature; Q and K RMS-normed without weight after RoPE (Llama4TextL2Norm)
@@ -130,6 +133,8 @@ class ArchSpec:
     # the last `{arch}.nextn_predict_layers` blocks are multi-token-prediction heads: llama.cpp loads their tensors
     # (TENSOR_SKIP) but runs the first block_count - nextn_predict_layers blocks only (glm4moe)
     nextn: bool = False
+    # the final norm's tensor: lfm2 stores it as token_embd_norm (llama-arch.cpp `LLM_TENSOR_OUTPUT_NORM_LFM2`)
+    output_norm_name: str = "output_norm"
 
     def fused_block(self) -> bool:
         """Whether this architecture's block is the one `kernels.layer.decode_block` computes, as far as the
@@ -161,6 +166,16 @@ ARCHITECTURES: dict[str, ArchSpec] = {
             qk_norm=True,
             mixer="hybrid",
             moe=MoE(norm_weights=True, shared_expert="required", shared_gate="sigmoid"),
+        ),
+        # Liquid LFM2 (src/models/lfm2.cpp): short-conv layers where attention.head_count_kv is 0, attention with
+        # per-head Q/K norms and neox RoPE on the others, a dense SwiGLU feed-forward, the final norm token_embd_norm
+        ArchSpec(
+            "lfm2",
+            rope_style="neox",
+            qk_norm=True,
+            mixer="hybrid",
+            recurrent="shortconv",
+            output_norm_name="token_embd_norm",
         ),
         ArchSpec(  # Qwen3-Next-80B-A3B: qwen35moe's blocks with NeoX RoPE and one ssm_ba product
             "qwen3next",

@@ -19,6 +19,8 @@ from .errors import GGUFMetadataError, GGUFUnsupportedError
 from .mla import MLAConfig, mla_config
 from .numerics import logf
 from .ops import RopeExt, yarn_corr_dims
+from .shortconv import ShortConvConfig, shortconv_config
+from .shortconv import scalar_metadata as shortconv_scalars
 
 if TYPE_CHECKING:
     from .gemma4 import Gemma4Config
@@ -80,6 +82,8 @@ ROUTING_KEYS: dict[str, schema.Key] = {
     "gating": schema.Key("{arch}.expert_gating_func", "integer", _GATING, default=0),
     "leading_dense": schema.Key("{arch}.leading_dense_block_count", "integer", _COUNT, default=0),
 }
+# a hybrid architecture's recurrent layers (`ArchSpec.recurrent`) -> the builder of their config
+RECURRENT_CONFIGS = {"deltanet": deltanet_config, "shortconv": shortconv_config}
 # glm4moe's multi-token-prediction blocks, the last ones of block_count (`arch.nextn`): llama.cpp asserts
 # n_layer_nextn < n_layer_all and runs the blocks before them
 NEXTN_KEY = schema.Key("{arch}.nextn_predict_layers", "integer", _COUNT, default=0)
@@ -154,8 +158,9 @@ class ModelConfig:
     # deepseek2 (`arch.mixer == "mla"`): the latent attention's ranks and head sizes (`ggufpy.mla`)
     mla: MLAConfig | None = None
     value_dim: int | None = None  # the V cache's head width where it is not head_dim (0: keys only, MLA)
-    # hybrid recurrent models (`arch.mixer == "hybrid"`): which layers are DeltaNet layers, their hparams
-    deltanet: DeltaNetConfig | None = None
+    # hybrid recurrent models (`arch.mixer == "hybrid"`): which layers are recurrent, their hparams, by
+    # `arch.recurrent` (`RECURRENT_CONFIGS`): DeltaNet layers (qwen35*), or lfm2's short-conv layers
+    recurrent: DeltaNetConfig | ShortConvConfig | None = None
     # gemma4 (`arch.mixer == "gemma4"`): per-layer head sizes, widths, local layers, shared KV (`ggufpy.gemma4`)
     gemma4: Gemma4Config | None = None
     rope_theta_swa: float | None = None  # rope.freq_base_swa, where the architecture reads it (gemma4)
@@ -264,6 +269,8 @@ def config_from_metadata(md: Mapping[str, Any], vocab_size: int, source: str | N
         from .gemma4 import scalar_metadata
 
         md = scalar_metadata(md, a)
+    if spec.recurrent == "shortconv":  # lfm2: head_count_kv per layer, 0 on the short-conv layers
+        md = shortconv_scalars(md, a, source)
     v = schema.read_all(md, schema.MODEL_KEYS, arch=a, source=source)
 
     def key(field: str) -> str:
@@ -323,7 +330,7 @@ def config_from_metadata(md: Mapping[str, Any], vocab_size: int, source: str | N
         experts["qk_l2_norm"] = experts.get("n_experts") != NO_QK_NORM_EXPERTS
     hybrid = {}
     if spec.mixer == "hybrid":
-        hybrid["deltanet"] = deltanet_config(md, a, v["n_layers"], v["norm_eps"], source)
+        hybrid["recurrent"] = RECURRENT_CONFIGS[spec.recurrent](full_md, a, v["n_layers"], v["norm_eps"], source)
     if spec.mixer == "mla":  # deepseek2: the latent attention's shapes; its cache holds keys only, or wider values
         hybrid["mla"] = mla_config(md, a, n_heads, n_kv_heads, head_dim, rope_dim, scaling, source)
         hybrid["value_dim"] = 0 if hybrid["mla"].absorbed else hybrid["mla"].value_dim

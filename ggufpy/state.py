@@ -2,7 +2,8 @@
 
 Attention layers keep keys and values per position (a `KVCache` over those layers); DeltaNet layers keep a
 fixed-size summary of every position so far, the conv state (the last K-1 inputs of the causal conv) and the
-recurrent state (B, S, S) (llama.cpp `src/llama-memory-hybrid.cpp`: a KV cache beside `llama-memory-recurrent`).
+recurrent state (B, S, S) (llama.cpp `src/llama-memory-hybrid.cpp`: a KV cache beside `llama-memory-recurrent`);
+lfm2's short-conv layers keep a conv state only (the last L-1 inputs, `ggufpy.shortconv`).
 `HybridState` offers the `KVCache` interface the forward pass, generation and the shard engine use (layers,
 capacity, length, check, update, advance, truncate, nbytes), over any layer range: a shard's state holds only its
 own layers under their global numbers, so running [0, k) then [k, n) equals running the whole model.
@@ -16,23 +17,40 @@ from __future__ import annotations
 
 import numpy as np
 
-from .deltanet import DeltaNetConfig, empty_state
+from .deltanet import DeltaNetConfig
+from .deltanet import empty_state as deltanet_state
 from .kvcache import ContextLengthError, KVCache
+from .shortconv import ShortConvConfig
+from .shortconv import empty_state as shortconv_state
+
+# a recurrent layer's fresh (conv, recurrent) states by the kind of its config: DeltaNet's (K-1, C) and (B, S, S),
+# lfm2's short conv (L-1, D) and none
+EMPTY_STATES = {DeltaNetConfig: deltanet_state, ShortConvConfig: shortconv_state}
+
+
+def empty_state(cfg: DeltaNetConfig | ShortConvConfig) -> tuple[np.ndarray, np.ndarray]:
+    return EMPTY_STATES[type(cfg)](cfg)
 
 
 class HybridState:
-    """KV for the attention layers of `layers`, conv + recurrent states for the DeltaNet ones (`cfg.recurrent`)."""
+    """KV for the attention layers of `layers`, conv + recurrent states for the recurrent ones (`cfg.recurrent`)."""
 
     def __init__(
-        self, layers: range, capacity: int, n_kv_heads: int, head_dim: int, cfg: DeltaNetConfig, dtype=np.float32
+        self,
+        layers: range,
+        capacity: int,
+        n_kv_heads: int,
+        head_dim: int,
+        cfg: DeltaNetConfig | ShortConvConfig,
+        dtype=np.float32,
     ):
         self.layers = layers
         self.cfg = cfg
         self.n_kv_heads, self.head_dim = n_kv_heads, head_dim
         self.recurrent_layers = [i for i in layers if cfg.recurrent[i]]
         self.kv = KVCache([i for i in layers if not cfg.recurrent[i]], capacity, n_kv_heads, head_dim, dtype)
-        self.conv: dict[int, np.ndarray] = {}  # layer -> (K-1, C)
-        self.ssm: dict[int, np.ndarray] = {}  # layer -> (B, S, S)
+        self.conv: dict[int, np.ndarray] = {}  # layer -> (K-1, C); lfm2: (L-1, D)
+        self.ssm: dict[int, np.ndarray] = {}  # layer -> (B, S, S); lfm2: (0,)
         # a forward call's new states, kept aside until `advance`: a call that fails part way through the
         # layers leaves the sequence as it was (as the KV cache, whose writes past `length` are unread)
         self._pending: dict[int, tuple[np.ndarray, np.ndarray]] = {}

@@ -65,11 +65,11 @@ class Model:
         if kv_type is not None:
             if kv_type not in KV_TYPES:
                 raise ValueError(f"unknown KV cache type {kv_type!r}; available: {', '.join(KV_TYPES)}")
-            if cfg.deltanet is not None or cfg.gemma4 is not None or cfg.value_dim is not None:
+            if cfg.recurrent is not None or cfg.gemma4 is not None or cfg.value_dim is not None:
                 raise ValueError(f"a {kv_type} KV cache is for plain K/V layers, not {cfg.arch.name}'s cache")
             rotation = self.numerics.x86_isa if self.numerics.x86_kernels else "f32"  # as llama.cpp (kvcache.py)
             return KV_TYPES[kv_type](layers or self.layers, capacity, cfg.n_kv_heads, cfg.head_dim, rotation=rotation)
-        if cfg.deltanet is not None:  # KV for the attention layers, conv + recurrent states for the DeltaNet ones
+        if cfg.recurrent is not None:  # KV for the attention layers, conv + recurrent states for the DeltaNet ones
             return hybrid.new_state(self, layers or self.layers, capacity)
         if cfg.gemma4 is not None:  # per-layer K/V shapes, none for the shared-KV layers
             return gemma4.Gemma4Cache(cfg, layers or self.layers, capacity, self.numerics.kv_dtype)
@@ -170,7 +170,7 @@ class Model:
         cfg = self.config
         return (
             cfg.gemma4 is None
-            and cfg.deltanet is None
+            and cfg.recurrent is None
             and all(self.weights.layers[i].mixer is None for i in self.layers)
         )
 

@@ -108,7 +108,8 @@ class LayerWeights:
     ffn_gate_shexp: QuantTensor | None = None  # (Fs, D)
     ffn_up_shexp: QuantTensor | None = None  # (Fs, D)
     ffn_down_shexp: QuantTensor | None = None  # (D, Fs)
-    # a hybrid model's mixer (`arch.mixer == "hybrid"`): DeltaNetWeights or GatedAttentionWeights (`ggufpy.hybrid`)
+    # a hybrid model's mixer (`arch.mixer == "hybrid"`): DeltaNetWeights or GatedAttentionWeights (`ggufpy.hybrid`),
+    # ShortConvWeights (lfm2's short-conv layers; its attention layers have none)
     mixer: object | None = None
 
 
@@ -260,7 +261,7 @@ def load_weights(f: GGUFFile, cfg: ModelConfig, layers: range) -> Weights:
     return Weights(
         token_embd=token_embd,
         layers=blocks,
-        output_norm=vector(f, "output_norm.weight", D),
+        output_norm=vector(f, arch.output_norm_name + ".weight", D),
         output=output,
         rope_freqs=rope_freqs,
     )

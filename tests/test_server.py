@@ -314,7 +314,11 @@ def test_chat_template_stop_strings_end_chat_replies(model):
     from ggufpy.chat import ChatTemplate
 
     own = ChatTemplate.from_tokenizer(model.tokenizer, warn=False)
-    body = {"messages": [{"role": "user", "content": "Tell me a story about a cat."}], "max_tokens": 12, "temperature": 0}
+    body = {
+        "messages": [{"role": "user", "content": "Tell me a story about a cat."}],
+        "max_tokens": 12,
+        "temperature": 0,
+    }
     with TestClient(create_app(model, parallel=1, ctx_size=CTX, model_id=MODEL_ID)) as c:
         full = c.post("/v1/chat/completions", json=body).json()["choices"][0]
     words = full["message"]["content"].split()
