@@ -3,8 +3,9 @@ integer dot products) and `batched_ir.py` (the batched products), written agains
 modules that import numba.
 
 Kernels are compiled lazily on first call and cached on disk (`cache=True`, in `__pycache__` next to the
-source, or `NUMBA_CACHE_DIR`). With `NUMBA_DISABLE_JIT=1` the same functions run as plain Python (`prange`
-becomes `range`), which the test suite uses on small shapes.
+source, or `NUMBA_CACHE_DIR`), stamped with a hash of every source they compile from (`_cache.py`). With
+`NUMBA_DISABLE_JIT=1` the same functions run as plain Python (`prange` becomes `range`), which the test suite
+uses on small shapes.
 """
 
 from __future__ import annotations
@@ -17,6 +18,10 @@ import zlib
 import numba
 import numpy as np
 from numba import prange
+
+from . import _cache
+
+_cache.install()  # before any kernel is decorated: numba picks a function's cache locator then
 
 __all__ = [
     "DISABLED",
