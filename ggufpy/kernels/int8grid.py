@@ -6,7 +6,8 @@ IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M weight rows in parallel, each against every 
 
     T = 1       vec_dot     `grid_dot`: the accumulators in registers             quants.x86.iqgrid
     T = 2..7    vec_dot     `grid_dot_rows`: each weight block decoded once       quants.x86.iqgrid
-    T >= 8      tiled       `grid_dot_rows(tiled=True)`, the same decode          quants.x86.tiled
+    T >= 8      tiled       `int8grid_tiles.grid_tiles`: each weight row decoded  quants.x86.tiled
+                            once into a scratch, eight activation rows at a time
 
 One kernel per type (as int8dot's): numba compiles only those a model's types call. The tables are module
 globals, which numba freezes into the compiled kernels as constants.
@@ -14,9 +15,12 @@ globals, which numba freezes into the compiled kernels as constants.
 
 from __future__ import annotations
 
+import numpy as np
+
 from ..constants import GGMLType
 from ..quants.x86.tiled import TILED_MIN_BATCH
 from ._numba import jit, prange, use_threads
+from .int8grid_tiles import SCRATCH_PER_BLOCK, activation_tiles, grid_tiles
 from .int8ir_iqgrid import GRIDS, KSIGNS, SIGNS, grid_dot, grid_dot_rows
 
 __all__ = ["KERNELS"]
@@ -26,29 +30,42 @@ _G_IQ3_XXS, _G_IQ3_S, _G_IQ1 = GRIDS["IQ3_XXS"], GRIDS["IQ3_S"], GRIDS["IQ1_S"]
 
 
 def _intrinsics(name: str) -> tuple:
-    return grid_dot(name), grid_dot_rows(name), grid_dot_rows(name, tiled=True)
+    return grid_dot(name), grid_dot_rows(name), grid_tiles(name)
 
 
-_IQ2_XXS_1, _IQ2_XXS_N, _IQ2_XXS_TILED = _intrinsics("IQ2_XXS")
-_IQ2_XS_1, _IQ2_XS_N, _IQ2_XS_TILED = _intrinsics("IQ2_XS")
-_IQ2_S_1, _IQ2_S_N, _IQ2_S_TILED = _intrinsics("IQ2_S")
-_IQ3_XXS_1, _IQ3_XXS_N, _IQ3_XXS_TILED = _intrinsics("IQ3_XXS")
-_IQ3_S_1, _IQ3_S_N, _IQ3_S_TILED = _intrinsics("IQ3_S")
-_IQ1_S_1, _IQ1_S_N, _IQ1_S_TILED = _intrinsics("IQ1_S")
-_IQ1_M_1, _IQ1_M_N, _IQ1_M_TILED = _intrinsics("IQ1_M")
+CHUNK = 16  # weight rows per parallel task (each allocates one scratch)
+
+
+@jit
+def _chunks(rows):
+    return (rows + CHUNK - 1) // CHUNK
+
+
+_IQ2_XXS_1, _IQ2_XXS_N, _IQ2_XXS_TILES = _intrinsics("IQ2_XXS")
+_IQ2_XS_1, _IQ2_XS_N, _IQ2_XS_TILES = _intrinsics("IQ2_XS")
+_IQ2_S_1, _IQ2_S_N, _IQ2_S_TILES = _intrinsics("IQ2_S")
+_IQ3_XXS_1, _IQ3_XXS_N, _IQ3_XXS_TILES = _intrinsics("IQ3_XXS")
+_IQ3_S_1, _IQ3_S_N, _IQ3_S_TILES = _intrinsics("IQ3_S")
+_IQ1_S_1, _IQ1_S_N, _IQ1_S_TILES = _intrinsics("IQ1_S")
+_IQ1_M_1, _IQ1_M_N, _IQ1_M_TILES = _intrinsics("IQ1_M")
 
 
 @jit(parallel=True)
 def _mv_iq2_xxs(nt, w, aq, ad, bsums, out):
     previous = use_threads(nt)
     T, nb = aq.shape[0], aq.shape[1] // 256
-    for r in prange(w.shape[0]):
-        if T == 1:
-            out[0, r] = _IQ2_XXS_1(w, r, aq, 0, ad, bsums, nb, _G_IQ2_XXS, KSIGNS)
-        elif T < TILED_MIN_BATCH:
-            _IQ2_XXS_N(w, r, aq, T, ad, bsums, nb, _G_IQ2_XXS, KSIGNS, out)
-        else:
-            _IQ2_XXS_TILED(w, r, aq, T, ad, bsums, nb, _G_IQ2_XXS, KSIGNS, out)
+    if T >= TILED_MIN_BATCH:
+        ab, adt = activation_tiles(aq, ad)
+        for c in prange(_chunks(w.shape[0])):
+            buf = np.empty(nb * SCRATCH_PER_BLOCK, np.uint8)
+            for r in range(c * CHUNK, min(w.shape[0], (c + 1) * CHUNK)):
+                _IQ2_XXS_TILES(w, r, ab, adt, T, nb, _G_IQ2_XXS, KSIGNS, buf, out)
+    else:
+        for r in prange(w.shape[0]):
+            if T == 1:
+                out[0, r] = _IQ2_XXS_1(w, r, aq, 0, ad, bsums, nb, _G_IQ2_XXS, KSIGNS)
+            else:
+                _IQ2_XXS_N(w, r, aq, T, ad, bsums, nb, _G_IQ2_XXS, KSIGNS, out)
     use_threads(previous)
 
 
@@ -56,13 +73,18 @@ def _mv_iq2_xxs(nt, w, aq, ad, bsums, out):
 def _mv_iq2_xs(nt, w, aq, ad, bsums, out):
     previous = use_threads(nt)
     T, nb = aq.shape[0], aq.shape[1] // 256
-    for r in prange(w.shape[0]):
-        if T == 1:
-            out[0, r] = _IQ2_XS_1(w, r, aq, 0, ad, bsums, nb, _G_IQ2_XS, KSIGNS)
-        elif T < TILED_MIN_BATCH:
-            _IQ2_XS_N(w, r, aq, T, ad, bsums, nb, _G_IQ2_XS, KSIGNS, out)
-        else:
-            _IQ2_XS_TILED(w, r, aq, T, ad, bsums, nb, _G_IQ2_XS, KSIGNS, out)
+    if T >= TILED_MIN_BATCH:
+        ab, adt = activation_tiles(aq, ad)
+        for c in prange(_chunks(w.shape[0])):
+            buf = np.empty(nb * SCRATCH_PER_BLOCK, np.uint8)
+            for r in range(c * CHUNK, min(w.shape[0], (c + 1) * CHUNK)):
+                _IQ2_XS_TILES(w, r, ab, adt, T, nb, _G_IQ2_XS, KSIGNS, buf, out)
+    else:
+        for r in prange(w.shape[0]):
+            if T == 1:
+                out[0, r] = _IQ2_XS_1(w, r, aq, 0, ad, bsums, nb, _G_IQ2_XS, KSIGNS)
+            else:
+                _IQ2_XS_N(w, r, aq, T, ad, bsums, nb, _G_IQ2_XS, KSIGNS, out)
     use_threads(previous)
 
 
@@ -70,13 +92,18 @@ def _mv_iq2_xs(nt, w, aq, ad, bsums, out):
 def _mv_iq2_s(nt, w, aq, ad, bsums, out):
     previous = use_threads(nt)
     T, nb = aq.shape[0], aq.shape[1] // 256
-    for r in prange(w.shape[0]):
-        if T == 1:
-            out[0, r] = _IQ2_S_1(w, r, aq, 0, ad, bsums, nb, _G_IQ2_S, SIGNS)
-        elif T < TILED_MIN_BATCH:
-            _IQ2_S_N(w, r, aq, T, ad, bsums, nb, _G_IQ2_S, SIGNS, out)
-        else:
-            _IQ2_S_TILED(w, r, aq, T, ad, bsums, nb, _G_IQ2_S, SIGNS, out)
+    if T >= TILED_MIN_BATCH:
+        ab, adt = activation_tiles(aq, ad)
+        for c in prange(_chunks(w.shape[0])):
+            buf = np.empty(nb * SCRATCH_PER_BLOCK, np.uint8)
+            for r in range(c * CHUNK, min(w.shape[0], (c + 1) * CHUNK)):
+                _IQ2_S_TILES(w, r, ab, adt, T, nb, _G_IQ2_S, SIGNS, buf, out)
+    else:
+        for r in prange(w.shape[0]):
+            if T == 1:
+                out[0, r] = _IQ2_S_1(w, r, aq, 0, ad, bsums, nb, _G_IQ2_S, SIGNS)
+            else:
+                _IQ2_S_N(w, r, aq, T, ad, bsums, nb, _G_IQ2_S, SIGNS, out)
     use_threads(previous)
 
 
@@ -84,13 +111,18 @@ def _mv_iq2_s(nt, w, aq, ad, bsums, out):
 def _mv_iq3_xxs(nt, w, aq, ad, bsums, out):
     previous = use_threads(nt)
     T, nb = aq.shape[0], aq.shape[1] // 256
-    for r in prange(w.shape[0]):
-        if T == 1:
-            out[0, r] = _IQ3_XXS_1(w, r, aq, 0, ad, bsums, nb, _G_IQ3_XXS, KSIGNS)
-        elif T < TILED_MIN_BATCH:
-            _IQ3_XXS_N(w, r, aq, T, ad, bsums, nb, _G_IQ3_XXS, KSIGNS, out)
-        else:
-            _IQ3_XXS_TILED(w, r, aq, T, ad, bsums, nb, _G_IQ3_XXS, KSIGNS, out)
+    if T >= TILED_MIN_BATCH:
+        ab, adt = activation_tiles(aq, ad)
+        for c in prange(_chunks(w.shape[0])):
+            buf = np.empty(nb * SCRATCH_PER_BLOCK, np.uint8)
+            for r in range(c * CHUNK, min(w.shape[0], (c + 1) * CHUNK)):
+                _IQ3_XXS_TILES(w, r, ab, adt, T, nb, _G_IQ3_XXS, KSIGNS, buf, out)
+    else:
+        for r in prange(w.shape[0]):
+            if T == 1:
+                out[0, r] = _IQ3_XXS_1(w, r, aq, 0, ad, bsums, nb, _G_IQ3_XXS, KSIGNS)
+            else:
+                _IQ3_XXS_N(w, r, aq, T, ad, bsums, nb, _G_IQ3_XXS, KSIGNS, out)
     use_threads(previous)
 
 
@@ -98,13 +130,18 @@ def _mv_iq3_xxs(nt, w, aq, ad, bsums, out):
 def _mv_iq3_s(nt, w, aq, ad, bsums, out):
     previous = use_threads(nt)
     T, nb = aq.shape[0], aq.shape[1] // 256
-    for r in prange(w.shape[0]):
-        if T == 1:
-            out[0, r] = _IQ3_S_1(w, r, aq, 0, ad, bsums, nb, _G_IQ3_S, SIGNS)
-        elif T < TILED_MIN_BATCH:
-            _IQ3_S_N(w, r, aq, T, ad, bsums, nb, _G_IQ3_S, SIGNS, out)
-        else:
-            _IQ3_S_TILED(w, r, aq, T, ad, bsums, nb, _G_IQ3_S, SIGNS, out)
+    if T >= TILED_MIN_BATCH:
+        ab, adt = activation_tiles(aq, ad)
+        for c in prange(_chunks(w.shape[0])):
+            buf = np.empty(nb * SCRATCH_PER_BLOCK, np.uint8)
+            for r in range(c * CHUNK, min(w.shape[0], (c + 1) * CHUNK)):
+                _IQ3_S_TILES(w, r, ab, adt, T, nb, _G_IQ3_S, SIGNS, buf, out)
+    else:
+        for r in prange(w.shape[0]):
+            if T == 1:
+                out[0, r] = _IQ3_S_1(w, r, aq, 0, ad, bsums, nb, _G_IQ3_S, SIGNS)
+            else:
+                _IQ3_S_N(w, r, aq, T, ad, bsums, nb, _G_IQ3_S, SIGNS, out)
     use_threads(previous)
 
 
@@ -112,13 +149,18 @@ def _mv_iq3_s(nt, w, aq, ad, bsums, out):
 def _mv_iq1_s(nt, w, aq, ad, bsums, out):
     previous = use_threads(nt)
     T, nb = aq.shape[0], aq.shape[1] // 256
-    for r in prange(w.shape[0]):
-        if T == 1:
-            out[0, r] = _IQ1_S_1(w, r, aq, 0, ad, bsums, nb, _G_IQ1, SIGNS)
-        elif T < TILED_MIN_BATCH:
-            _IQ1_S_N(w, r, aq, T, ad, bsums, nb, _G_IQ1, SIGNS, out)
-        else:
-            _IQ1_S_TILED(w, r, aq, T, ad, bsums, nb, _G_IQ1, SIGNS, out)
+    if T >= TILED_MIN_BATCH:
+        ab, adt = activation_tiles(aq, ad)
+        for c in prange(_chunks(w.shape[0])):
+            buf = np.empty(nb * SCRATCH_PER_BLOCK, np.uint8)
+            for r in range(c * CHUNK, min(w.shape[0], (c + 1) * CHUNK)):
+                _IQ1_S_TILES(w, r, ab, adt, T, nb, _G_IQ1, SIGNS, buf, out)
+    else:
+        for r in prange(w.shape[0]):
+            if T == 1:
+                out[0, r] = _IQ1_S_1(w, r, aq, 0, ad, bsums, nb, _G_IQ1, SIGNS)
+            else:
+                _IQ1_S_N(w, r, aq, T, ad, bsums, nb, _G_IQ1, SIGNS, out)
     use_threads(previous)
 
 
@@ -126,13 +168,18 @@ def _mv_iq1_s(nt, w, aq, ad, bsums, out):
 def _mv_iq1_m(nt, w, aq, ad, bsums, out):
     previous = use_threads(nt)
     T, nb = aq.shape[0], aq.shape[1] // 256
-    for r in prange(w.shape[0]):
-        if T == 1:
-            out[0, r] = _IQ1_M_1(w, r, aq, 0, ad, bsums, nb, _G_IQ1, SIGNS)
-        elif T < TILED_MIN_BATCH:
-            _IQ1_M_N(w, r, aq, T, ad, bsums, nb, _G_IQ1, SIGNS, out)
-        else:
-            _IQ1_M_TILED(w, r, aq, T, ad, bsums, nb, _G_IQ1, SIGNS, out)
+    if T >= TILED_MIN_BATCH:
+        ab, adt = activation_tiles(aq, ad)
+        for c in prange(_chunks(w.shape[0])):
+            buf = np.empty(nb * SCRATCH_PER_BLOCK, np.uint8)
+            for r in range(c * CHUNK, min(w.shape[0], (c + 1) * CHUNK)):
+                _IQ1_M_TILES(w, r, ab, adt, T, nb, _G_IQ1, SIGNS, buf, out)
+    else:
+        for r in prange(w.shape[0]):
+            if T == 1:
+                out[0, r] = _IQ1_M_1(w, r, aq, 0, ad, bsums, nb, _G_IQ1, SIGNS)
+            else:
+                _IQ1_M_N(w, r, aq, T, ad, bsums, nb, _G_IQ1, SIGNS, out)
     use_threads(previous)
 
 

@@ -1,6 +1,6 @@
 """LLVM IR for ggml's integer products of the grid types (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M)
 with Q8_K activations, as numba intrinsics over one weight row: its AVX2 vec_dot (what llama.cpp runs below 8
-activation rows) and, from the same decode, the tiled kernel's f32 epilogue (8 rows and more).
+activation rows); the tiled kernel (8 rows and more) reuses the decode in `int8grid_tiles.py`.
 
 Each 32-element sub-block ib becomes one <32 x i8> as in arch/x86/quants.c `ggml_vec_dot_iq2_xxs_q8_K` & co.:
 the grid rows its indices name (u64 loads, or u32 for the IQ3 grids, put together like `_mm256_set_epi64x`),
@@ -14,8 +14,7 @@ term is summed apart (IQ1_S: one scalar from the bsums, IQ1_M: lanes of +-1 . a)
 (|grid| <= 62, Q8_K's |a| <= 127, so `vpsignb` never meets -128: a pair of products stays below 2^15, a lane
 below 2^24), so only the f32 steps
 matter, and they are the replay's (`ggufpy.quants.x86.iqgrid`): per super-block
-acc = fma(fl(d_w * d_a), float(lanes), acc); y = c * hsum_float_8(acc) (IQ1: + 0.125f * the delta part);
-tiled (`ggufpy.quants.x86.tiled`): p = fl(float(sum of the lanes) * fl(d_w * c)), y = fma(p, d_a, y).
+acc = fma(fl(d_w * d_a), float(lanes), acc); y = c * hsum_float_8(acc) (IQ1: + 0.125f * the delta part).
 
 The grids and sign tables are module constants (`GRIDS`, `SIGNS`, `KSIGNS`) the kernels pass as 1-D arrays.
 The numba kernels that call these intrinsics, one per type: `int8grid.py`.
@@ -30,6 +29,7 @@ from numba.extending import intrinsic
 
 from ..quants.grids import IQ1S_GRID, IQ2S_GRID, IQ2XS_GRID, IQ2XXS_GRID, IQ3S_GRID, IQ3XXS_GRID
 from ..quants.iqgrid import KSIGNS_IQ2XS
+from .int8grid_blocks import BLOCKS, _rows, _vector
 from .int8ir import (
     F32,
     I8,
@@ -43,7 +43,6 @@ from .int8ir import (
     _fma,
     _half,
     _hsum_float_8,
-    _hsum_i32,
     _load,
     _loop,
     _madd,
@@ -89,21 +88,6 @@ TYPES = {
 }
 
 
-# -- building vectors from table rows -------------------------------------------------------------------------------
-def _vector(builder, values, ty: ir.VectorType):
-    v = ir.Constant(ty, ir.Undefined)
-    for i, x in enumerate(values):
-        v = builder.insert_element(v, x, ir.Constant(I32, i))
-    return v
-
-
-def _rows(builder, table, idx: list, width: int = 8):
-    """The table rows idx (i64 values) of a u64 (width 8) or u32 (width 4) table, as one <32 x i8>."""
-    ty = I64 if width == 8 else I32
-    words = [_load(builder, table, builder.mul(i, ir.Constant(I64, width)), ty, align=width) for i in idx]
-    return builder.bitcast(_vector(builder, words, ir.VectorType(ty, len(words))), V32I8)
-
-
 def _u8(builder, blk, offset):
     return builder.zext(_load(builder, blk, offset, I8), I64)
 
@@ -142,18 +126,6 @@ def _iq2_xs(builder, blk, ib, grid, ksigns):
     return u, s, _scales(builder, _bits(builder, sc, 0, 15), _bits(builder, sc, 4, 15))
 
 
-# IQ2_S (82): +2 low index bytes, +34 sign bytes, +66 qh (2 index bits per 8 elements), +74 scale nibbles per 16
-def _iq2_s(builder, blk, ib, grid, signs):
-    qh = _u8(builder, blk, 66 + ib)
-    idx = [
-        builder.or_(_u8(builder, blk, 2 + 4 * ib + k), builder.shl(_bits(builder, qh, 2 * k, 3), ir.Constant(I64, 8)))
-        for k in range(4)
-    ]
-    s = _rows(builder, signs, [_u8(builder, blk, 34 + 4 * ib + k) for k in range(4)])
-    sc = _u8(builder, blk, 74 + ib)
-    return _rows(builder, grid, idx), s, _scales(builder, _bits(builder, sc, 0, 15), _bits(builder, sc, 4, 15))
-
-
 # IQ3_XXS (98): +2 a u32-grid index byte per 4 elements, +66 per ib u32 four 7-bit sign indices | ls << 28
 def _iq3_xxs(builder, blk, ib, grid, ksigns):
     ss = builder.zext(_load(builder, blk, 66 + 4 * ib, I32), I64)
@@ -188,31 +160,6 @@ def _iq1_s(builder, blk, ib, grid, _):
     return _rows(builder, grid, idx), delta, _scales(builder, sc)
 
 
-# IQ1_M (56): +0 low index bytes, +32 a nibble per 8 elements (index bits 8-10, delta sign at 3), +48 u16 scales
-def _iq1_m(builder, blk, ib, grid, _):
-    nib = []
-    for k in range(4):
-        nib.append(_bits(builder, _u8(builder, blk, 32 + 2 * ib + k // 2), 4 * (k % 2), 15))
-    idx = [
-        builder.or_(_u8(builder, blk, 4 * ib + k), builder.shl(_bits(builder, n, 0, 7), ir.Constant(I64, 8)))
-        for k, n in enumerate(nib)
-    ]
-    one, minus = ir.Constant(I8, 1), ir.Constant(I8, -1)
-    dsign = [
-        builder.select(builder.icmp_unsigned("!=", _bits(builder, n, 3, 1), ir.Constant(I64, 0)), minus, one)
-        for n in nib
-    ]
-    delta = _shuffle(
-        builder,
-        _vector(builder, dsign, ir.VectorType(I8, 4)),
-        ir.Constant(ir.VectorType(I8, 4), ir.Undefined),
-        [j // 8 for j in range(32)],
-    )
-    sc = builder.zext(_load(builder, blk, 48 + 2 * (ib // 2), I16), I64)
-    lo, hi = _bits(builder, sc, 6 * (ib % 2), 7), _bits(builder, sc, 6 * (ib % 2) + 3, 7)
-    return _rows(builder, grid, idx), delta, _scales(builder, lo, hi)
-
-
 def _iq1_m_d(builder, blk):
     """IQ1_M's fp16 d: the top nibbles of the four u16 scales, as f32."""
     bits = ir.Constant(I16, 0)
@@ -225,12 +172,17 @@ def _iq1_m_d(builder, blk):
 _CHUNKS = {
     "IQ2_XXS": _iq2_xxs,
     "IQ2_XS": _iq2_xs,
-    "IQ2_S": _iq2_s,
     "IQ3_XXS": _iq3_xxs,
     "IQ3_S": _iq3_s,
     "IQ1_S": _iq1_s,
-    "IQ1_M": _iq1_m,
 }
+
+
+def _chunks(builder, name, blk, gtab, stab) -> list:
+    """The eight decoded sub-blocks (u, s, scale) of the block at blk."""
+    if name in BLOCKS:  # a block at a time, in vector registers (`int8grid_blocks`)
+        return BLOCKS[name](builder, blk, gtab, stab)
+    return [_CHUNKS[name](builder, blk, ib, gtab, stab) for ib in range(8)]
 
 
 def _table(context, builder, arrty, arr):
@@ -288,7 +240,7 @@ def _finish(builder, name, acc, acc2):
 def _decode(builder, name, wrow, b, gtab, stab):
     """Super-block b of the weight row -> (its 8 decoded sub-blocks, d_w f32)."""
     blk = builder.gep(wrow, [builder.mul(b, ir.Constant(I64, TYPES[name][0]))])
-    chunks = [_CHUNKS[name](builder, blk, ib, gtab, stab) for ib in range(8)]
+    chunks = _chunks(builder, name, blk, gtab, stab)
     return chunks, _iq1_m_d(builder, blk) if name == "IQ1_M" else _half(builder, blk, 0)
 
 
@@ -342,23 +294,10 @@ def grid_dot(name: str):
     return dot
 
 
-def _tiled_sum(builder, name, ints):
-    """The tiled kernel's s1 = sum over the block of sc * value * q (IQ1: value = 8 grid + delta), exact in i32."""
-    lanes, dlanes, sumi1 = ints
-    s1 = _hsum_i32(builder, lanes)
-    if name == "IQ1_S":
-        return builder.add(builder.shl(s1, ir.Constant(I32, 3)), builder.trunc(sumi1, I32))
-    if name == "IQ1_M":
-        return builder.add(builder.shl(s1, ir.Constant(I32, 3)), _hsum_i32(builder, dlanes))
-    return s1
-
-
-def grid_dot_rows(name: str, tiled: bool = False):
+def grid_dot_rows(name: str):
     """Intrinsic (w, r, aq, T, ad, bsums, nb, grid, signs, out): out[t, r] for every t < T, each weight block
-    decoded once for the T rows. tiled=False (T <= MAX_ROWS): `grid_dot`'s f32 steps, the accumulators in the
-    stack frame (measured slower than `grid_dot` for one row, faster from two). tiled=True (any T; llama.cpp's
-    from 8 rows): `ggufpy.quants.x86.tiled`, p = fl(float(s1) * fl(d_w * c)), out[t, r] = fma(p, d_a, out[t, r])
-    from 0 (`_tiled_sum`; c is a power of two)."""
+    decoded once for the T <= MAX_ROWS rows, `grid_dot`'s f32 steps with the accumulators in the stack frame
+    (measured slower than `grid_dot` for one row, faster from two). From 8 rows: `int8grid_tiles`."""
 
     @intrinsic
     def dot(typingctx, w, r, aq, T, ad, bsums, nb, grid, signs, out):
@@ -375,36 +314,27 @@ def grid_dot_rows(name: str, tiled: bool = False):
             stab = _table(context, builder, signature.args[8], signs_)
             zero8 = ir.Constant(V8F32, [0.0] * 8)
             ty2 = F32 if name == "IQ1_S" else V8F32
-            if not tiled:  # in the entry block: allocated once per call site, not per loop iteration
-                accs = cgutils.alloca_once(builder, V8F32, size=ir.Constant(I64, MAX_ROWS))
-                accs2 = cgutils.alloca_once(builder, ty2, size=ir.Constant(I64, MAX_ROWS))
+            # in the entry block: allocated once per call site, not per loop iteration
+            accs = cgutils.alloca_once(builder, V8F32, size=ir.Constant(I64, MAX_ROWS))
+            accs2 = cgutils.alloca_once(builder, ty2, size=ir.Constant(I64, MAX_ROWS))
 
             def out_at(t):
                 at = builder.gep(_row(context, builder, oty, out_, t), [builder.mul(r_, ir.Constant(I64, 4))])
                 return builder.bitcast(at, F32.as_pointer())
 
             def zero(t, _):
-                if tiled:
-                    builder.store(ir.Constant(F32, 0.0), out_at(t))
-                else:
-                    builder.store(zero8, builder.gep(accs, [t]))
-                    builder.store(ir.Constant(F32, 0.0) if name == "IQ1_S" else zero8, builder.gep(accs2, [t]))
+                builder.store(zero8, builder.gep(accs, [t]))
+                builder.store(ir.Constant(F32, 0.0) if name == "IQ1_S" else zero8, builder.gep(accs2, [t]))
                 return []
 
             def block(b, _):
                 chunks, dw = _decode(builder, name, wrow, b, gtab, stab)
-                dc = builder.fmul(dw, ir.Constant(F32, TYPES[name][1]))
 
                 def row(t, _):
                     ablk = builder.gep(_row(context, builder, aty, aq_, t), [builder.mul(b, ir.Constant(I64, 256))])
                     bsblk = builder.gep(_row(context, builder, bty, bs_, t), [builder.mul(b, ir.Constant(I64, 32))])
                     ints = _block_ints(builder, name, chunks, ablk, bsblk)
                     da = _load(builder, _row(context, builder, dty, ad_, t), builder.mul(b, ir.Constant(I64, 4)), F32)
-                    if tiled:
-                        p = builder.fmul(builder.sitofp(_tiled_sum(builder, name, ints), F32), dc)
-                        at = out_at(t)
-                        builder.store(_fma(builder, p, da, builder.load(at)), at)
-                        return []
                     at, at2 = builder.gep(accs, [t]), builder.gep(accs2, [t])
                     acc, acc2 = _accumulate(
                         builder, name, builder.fmul(da, dw), ints, builder.load(at), builder.load(at2)
@@ -423,8 +353,7 @@ def grid_dot_rows(name: str, tiled: bool = False):
 
             _loop(builder, T_, [], zero)
             _loop(builder, nb_, [], block)
-            if not tiled:
-                _loop(builder, T_, [], result)
+            _loop(builder, T_, [], result)
             return context.get_dummy_value()
 
         return sig, codegen
