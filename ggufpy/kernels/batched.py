@@ -42,7 +42,7 @@ from .batched_ir import row_sums
 from .layout import GROUP, Packed
 from .matvec import _nib6_values, _scale_at, matvec, plan
 
-__all__ = ["attention_rows", "linears_rows", "matvec_rows"]
+__all__ = ["attention_rows", "linears_rows", "matvec_rows", "row_kernel"]
 
 
 # --- unpacking one sub-block of a group into f32 values (S, 64), once for all rows ---------------------------
@@ -91,7 +91,42 @@ def _rows(unpack, q, a, b, sc, mn, per, zo, xv, sums, g, out, quarter):
     """Every row t of xv times group g, each row's operations those of the single-row kernels (`_nib_row`,
     `_row`): per lane r, the sum over the sub-block (`row_sums`, batched_ir.py), then the scale step in the
     expressions of `_accumulate_direct`, with the lane scales converted (exactly) once per sub-block for all
-    rows. Scratch arrays are indexed, never sliced: a view in a parallel loop's body costs numba's `noalias`."""
+    rows. Scratch arrays are indexed, never sliced: a view in a parallel loop's body costs numba's `noalias`.
+    Weights without sub-block scales sc, mn (Q4_0 .. Q8_0, IQ4_NL) only: `_rows_super` has their branches,
+    which in the row loop, even untaken, made LLVM compile a slower scale step (1.15x the whole product at
+    B = 8, 1.25x at B = 4 on SmolLM2's Q4_1)."""
+    _, n, S, _ = q.shape
+    B = xv.shape[0]
+    vals = np.empty((S, 64), np.float32)
+    blk = np.empty((B, 64), np.float32)
+    acc = np.zeros((B, 64), np.float32)
+    lane = np.empty((2, 64), np.float32)  # the sub-block's A and B per lane, as f32 (exact conversions)
+    for s in range(n):
+        unpack(q, g, s, S, vals, quarter)
+        row_sums(vals, xv, s, blk)
+        sb = s // per
+        for r in range(64):
+            lane[0, r] = _scale_at(a, g, sb, r)
+        if b.shape[0] > 0:
+            for r in range(64):
+                lane[1, r] = _scale_at(b, g, sb, r)
+        for t in range(B):
+            sm = sums[t, s]  # `_terms` of exact numerics: (zo * sum, 1, sum)
+            corr, sa = np.float32(zo) * sm, np.float32(1.0)
+            for r in range(64):
+                acc[t, r] += (lane[0, r] * sa) * (blk[t, r] + corr)
+            if b.shape[0] > 0:
+                for r in range(64):
+                    acc[t, r] += lane[1, r] * sm
+    for t in range(B):
+        for r in range(64):
+            out[t, g * 64 + r] = acc[t, r]
+
+
+@jit(inline=True)
+def _rows_super(unpack, q, a, b, sc, mn, per, zo, xv, sums, g, out, quarter):
+    """`_rows` for weights with sub-block scales sc or mn (the super style: K-quants), whose scale step
+    multiplies them in as `_accumulate_direct` does."""
     _, n, S, _ = q.shape
     B = xv.shape[0]
     vals = np.empty((S, 64), np.float32)
@@ -134,7 +169,31 @@ def _rows(unpack, q, a, b, sc, mn, per, zo, xv, sums, g, out, quarter):
             out[t, g * 64 + r] = acc[t, r]
 
 
-# Separate kernels per family, as in `matvec`: LLVM optimizes each loop nest on its own.
+# Separate kernels per family and style, as in `matvec`: LLVM optimizes each loop nest on its own.
+@jit(parallel=True, fast=True)
+def _rows_nib_super(nt, q, a, b, sc, mn, per, zo, xv, sums, out):
+    previous = use_threads(nt)
+    for g in prange(q.shape[0]):
+        _rows_super(_unpack_nib, q, a, b, sc, mn, per, zo, xv, sums, g, out, 0)
+    use_threads(previous)
+
+
+@jit(parallel=True, fast=True)
+def _rows_nib6_super(nt, q, a, b, sc, mn, per, zo, xv, sums, out):
+    previous = use_threads(nt)
+    for g in prange(q.shape[0]):
+        _rows_super(_unpack_nib6, q, a, b, sc, mn, per, zo, xv, sums, g, out, q.shape[3] // 3)
+    use_threads(previous)
+
+
+@jit(parallel=True, fast=True)
+def _rows_i8_super(nt, q, a, b, sc, mn, per, zo, xv, sums, out):
+    previous = use_threads(nt)
+    for g in prange(q.shape[0]):
+        _rows_super(_unpack_i8, q, a, b, sc, mn, per, zo, xv, sums, g, out, 0)
+    use_threads(previous)
+
+
 @jit(parallel=True, fast=True)
 def _rows_nib(nt, q, a, b, sc, mn, per, zo, xv, sums, out):
     previous = use_threads(nt)
@@ -159,7 +218,22 @@ def _rows_i8(nt, q, a, b, sc, mn, per, zo, xv, sums, out):
     use_threads(previous)
 
 
-_ROWS = {"nib": _rows_nib, "nib6": _rows_nib6, "i8": _rows_i8}  # storage family -> batched row kernel
+# (storage family, sub-block scales?) -> batched row kernel; `row_kernel` picks one for a weight's arguments
+_ROWS = {
+    ("nib", True): _rows_nib_super,
+    ("nib6", True): _rows_nib6_super,
+    ("i8", True): _rows_i8_super,
+    ("nib", False): _rows_nib,
+    ("nib6", False): _rows_nib6,
+    ("i8", False): _rows_i8,
+}
+
+
+def row_kernel(family: str, args: tuple):
+    """The batched row kernel for a weight of storage `family` with `matvec.plan` arguments
+    (q, a, b, sc, mn, per, zo), or None for a family without one."""
+    sc, mn = args[3], args[4]
+    return _ROWS.get((family, sc.shape[0] > 0 or mn.shape[0] > 0))
 
 
 def matvec_rows(p: Packed, xv: np.ndarray, terms: np.ndarray | None, planned=None, threads: int = 0) -> np.ndarray:
@@ -179,7 +253,7 @@ def matvec_rows(p: Packed, xv: np.ndarray, terms: np.ndarray | None, planned=Non
     q = args[0]  # (G, n, S, .): n sub-blocks of S columns
     sums = np.empty((xv.shape[0], q.shape[1]), np.float32)
     _sub_sums(xv, q.shape[2], sums)
-    _ROWS[p.family](threads or get_threads(), *args, xv, sums, out)
+    row_kernel(p.family, args)(threads or get_threads(), *args, xv, sums, out)
     return out
 
 

@@ -35,7 +35,7 @@ import numpy as np
 
 from ._numba import DISABLED, call_native, compiled_in_background, jit, native
 from .attention import _attention_rows
-from .batched import _ROWS, _sub_sums
+from .batched import _sub_sums, row_kernel
 from .batched_ir import carray, f32_pointer
 from .layer import _glue_natives, can_fuse
 from .matvec import plan
@@ -198,7 +198,7 @@ def _rows_glue_natives() -> list[tuple[int, int]]:
 
 
 class _Unfusable(Exception):
-    """A weight whose storage family has no batched row kernel (`batched._ROWS`)."""
+    """A weight whose storage family has no batched row kernel (`batched.row_kernel`)."""
 
 
 def _planned(backend, w):
@@ -232,9 +232,10 @@ def _slots(backend, ws):
 
 def _rows_native(family: str, args: tuple) -> tuple[int, int]:
     """`native` of the batched row kernel of `family` for weight arguments `args`, as `_product` calls it."""
-    if family not in _ROWS or len(args) != 7:
+    kernel = row_kernel(family, args) if len(args) == 7 else None
+    if kernel is None:
         raise _Unfusable
-    return native(_ROWS[family], (1, *args, _f32(2), _f32(2), _f32(2)))
+    return native(kernel, (1, *args, _f32(2), _f32(2), _f32(2)))
 
 
 class FusedRows:
