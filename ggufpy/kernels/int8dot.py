@@ -26,10 +26,13 @@ every T (decode and prefill):
     Q4_1, Q5_1  Q8_1     vec_dot                                                    legacy
     Q4_K        Q8_K     repacked 8x8 gemm (rows < T - T % 4) / gemv (out % 8 == 0) repack
     Q6_K        Q8_K     vec_dot (T < 8), tiled (T >= 8)                            kquants, tiled
+    Q5_K, Q3_K  Q8_K     vec_dot (T < 8), tiled (T >= 8) (`int8ir_k5.py`)           kquants, tiled
+    issue 12's  ...      `int8lowbit.KERNELS` (IQ1-IQ3, TQ, MXFP4, NVFP4, Q1_0)     their modules
 
-Other types (and Q4_K with out % 8 != 0, whose vec_dot has its own lane order) keep the f32-lane kernels of
-`matvec.py`. The activations are quantized here as `ggufpy.quants.vecdot.quantize_activations` does (x86
-Q8_0/Q8_1, reference Q8_K), in the arrays the intrinsics read.
+Other types (Q2_K, IQ4_NL, IQ4_XS ...; Q4_K with out % 8 != 0, whose vec_dot has its own lane order) keep the
+f32-lane kernels of `matvec.py`. The activations are quantized here as
+`ggufpy.quants.vecdot.quantize_activations` does (x86 Q8_0/Q8_1, reference Q8_K), in the arrays the intrinsics
+read.
 """
 
 from __future__ import annotations
@@ -321,6 +324,10 @@ if AVAILABLE:
 
     INT8_TYPES.update({t: k[:3] for t, k in _LOWBIT.items()})
     _K_KERNELS.update({t: k[3] for t, k in _LOWBIT.items()})  # Q8_0 ones too: `weight` looks up both dicts
+    from .int8ir_k5 import KERNELS as _K5_K3  # Q5_K, Q3_K: vec_dot (T < 8), tiled (T >= 8), as Q6_K
+
+    INT8_TYPES.update({t: k[:3] for t, k in _K5_K3.items()})
+    _K_KERNELS.update({t: k[3] for t, k in _K5_K3.items()})
 
 
 @dataclass(frozen=True, eq=False)
