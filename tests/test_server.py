@@ -181,10 +181,23 @@ def test_api_key(model):
         assert c.get("/v1/models", headers={"Authorization": "Bearer sekrit"}).status_code == 200
 
 
+def test_chat_second_turn_reuses_the_first_turns_cache(client):
+    """The chat page sends the whole conversation each turn: the second turn's prompt starts with the first
+    turn's prompt and answer, and reuses the cache of both (more cached tokens than the first prompt had)."""
+    kw = {"model": MODEL_ID, "max_tokens": 8, "temperature": 0}
+    turn = [{"role": "user", "content": "Name a colour of the sky."}]
+    a = client.chat.completions.create(messages=turn, **kw)
+    turn += [{"role": "assistant", "content": a.choices[0].message.content}, {"role": "user", "content": "Why?"}]
+    b = client.chat.completions.create(messages=turn, **kw)
+    c = client.chat.completions.create(messages=turn, extra_body={"cache_prompt": False}, **kw)
+    assert b.usage.prompt_tokens_details.cached_tokens > a.usage.prompt_tokens
+    assert b.choices[0].message.content == c.choices[0].message.content
+
+
 @pytest.mark.slow  # three prefills of 150+ tokens
-def test_prompt_cache_reuses_whole_chunks(client, model):
-    """A request that starts with an earlier prompt reuses its KV cache in whole prefill chunks (64 tokens),
-    reports them as cached_tokens, and answers exactly as without the cache."""
+def test_prompt_cache_reuses_the_shared_prefix(client, model):
+    """A request that starts with an earlier prompt reuses its KV cache for every shared token, reports them as
+    cached_tokens, and answers exactly as without the cache."""
     words = "the quick brown fox jumps over the lazy dog and keeps running far away " * 12
     first = model.tokenizer.encode(words, add_special=True)[:150]
     second = first + model.tokenizer.encode(" Then the fox", add_special=False)
@@ -193,7 +206,7 @@ def test_prompt_cache_reuses_whole_chunks(client, model):
     assert a.usage.prompt_tokens_details is None or a.usage.prompt_tokens_details.cached_tokens == 0
     b = client.completions.create(prompt=second, **kw)
     c = client.completions.create(prompt=second, extra_body={"cache_prompt": False}, **kw)
-    assert b.usage.prompt_tokens_details.cached_tokens == 128  # two whole chunks of the 150 shared tokens
+    assert b.usage.prompt_tokens_details.cached_tokens == 150  # every shared token (no chunk rounding)
     assert c.usage.prompt_tokens_details.cached_tokens == 0
     assert b.choices[0].text == c.choices[0].text
 

@@ -92,8 +92,9 @@ def test_prefill_batch_errors(tiny_llama):
 
 
 # -- the scheduler: short prompts prefilled in the decode pass ------------------------------------------------
-def run(scheduler, prompts, max_tokens=6) -> list[list[int]]:
-    """The generated token ids of greedy jobs for `prompts`, all submitted at once."""
+def run(scheduler, prompts, max_tokens=6, cache_prompt=False, usage=None) -> list[list[int]]:
+    """The generated token ids of greedy jobs for `prompts`, all submitted at once (`usage`, a list, receives
+    each job's (prompt_tokens, cached_tokens))."""
     from ggufpy.server.scheduler import Job
 
     tokens: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
@@ -105,6 +106,8 @@ def run(scheduler, prompts, max_tokens=6) -> list[list[int]]:
                 tokens[i].append(event.token)
             elif event.kind != "text":
                 assert event.kind == "done", event.message
+                if usage is not None:
+                    usage.append((event.prompt_tokens, event.cached_tokens))
                 finished.release()
 
         return on_event
@@ -112,7 +115,7 @@ def run(scheduler, prompts, max_tokens=6) -> list[list[int]]:
     banned = {t: float("-inf") for t in scheduler.tokenizer.eog_ids}
     for i, p in enumerate(prompts):
         sampler = Sampler(SamplingParams(temperature=0, logit_bias=banned))
-        scheduler.submit(Job(p, max_tokens=max_tokens, sampler=sampler, cache_prompt=False), emit(i))
+        scheduler.submit(Job(p, max_tokens=max_tokens, sampler=sampler, cache_prompt=cache_prompt), emit(i))
     for _ in prompts:
         assert finished.acquire(timeout=300)
     return [tokens[i] for i in range(len(prompts))]
@@ -163,3 +166,34 @@ def test_scheduler_prefills_short_prompts_in_the_pass(tiny_llama):
     assert any(sum(c) > max(c) > 1 for c in calls), calls  # a pass held a prompt's rows beside other rows
     assert max(map(sum, calls)) <= 8 + 4  # at most the budget of prompt rows and one row per slot
     assert scheduler.metrics.prefill_tokens_total == 2 * sum(map(len, prompts))
+
+
+def test_scheduler_reuses_a_finished_turn_token_for_token(tiny_llama):
+    """Multi-turn chat: the next request starts with the last one's prompt and answer. Its prompt rows reuse the
+    cached positions of both (generated tokens included, no chunk rounding: every cached row is that token
+    computed alone), report them as cached, and generate exactly what the request generates without the cache."""
+    pytest.importorskip("fastapi")
+    from ggufpy.server.scheduler import Scheduler
+
+    V = tiny_llama.config.vocab_size
+    first = [t % V for t in (3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46)]
+    scheduler = Scheduler(tiny_llama, parallel=2, ctx_size=64, prefill_chunk=8)
+    scheduler.start()
+    try:
+        usage = []
+        (answer,) = run(scheduler, [first], max_tokens=5, cache_prompt=True, usage=usage)
+        second = [*first, *answer, 7 % V, 11 % V]  # the answer's last token was sampled, never fed: not cached
+        (cached,) = run(scheduler, [second], max_tokens=6, cache_prompt=True, usage=usage)
+        (fresh,) = run(scheduler, [second], max_tokens=6, cache_prompt=False, usage=usage)
+        # a request sharing only part of a cached prompt keeps that part (one cache per finished request)
+        third = [*first[:5], 1, 2, 3]
+        (part,) = run(scheduler, [third], max_tokens=4, cache_prompt=True, usage=usage)
+        (part_fresh,) = run(scheduler, [third], max_tokens=4, cache_prompt=False, usage=usage)
+    finally:
+        scheduler.stop()
+    assert usage[0] == (len(first), 0)
+    assert usage[1] == (len(second), len(first) + len(answer) - 1)
+    assert usage[2] == (len(second), 0)
+    assert cached == fresh
+    assert usage[3] == (len(third), 5) and part == part_fresh
+    assert fresh == greedy_one_by_one(tiny_llama, second, 6)
