@@ -5,6 +5,8 @@ IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M weight rows in parallel, each against every 
                                                  replay of what llama.cpp runs (`ggufpy.quants.x86.kernel_for`)
 
     T = 1       vec_dot     `grid_dot`: the accumulators in registers             quants.x86.iqgrid
+                            (IQ2_S: `int8grid_iq2s.iq2_s_dot`, the same values in
+                            fewer instructions)
     T = 2..7    vec_dot     `grid_dot_rows`: each weight block decoded once       quants.x86.iqgrid
     T >= 8      tiled       `int8grid_tiles.grid_tiles`: each weight row decoded  quants.x86.tiled
                             once into a scratch, eight activation rows at a time
@@ -20,6 +22,7 @@ import numpy as np
 from ..constants import GGMLType
 from ..quants.x86.tiled import TILED_MIN_BATCH
 from ._numba import jit, prange, use_threads
+from .int8grid_iq2s import iq2_s_dot
 from .int8grid_tiles import SCRATCH_PER_BLOCK, activation_tiles, grid_tiles
 from .int8ir_iqgrid import GRIDS, KSIGNS, SIGNS, grid_dot, grid_dot_rows
 
@@ -44,6 +47,7 @@ def _chunks(rows):
 _IQ2_XXS_1, _IQ2_XXS_N, _IQ2_XXS_TILES = _intrinsics("IQ2_XXS")
 _IQ2_XS_1, _IQ2_XS_N, _IQ2_XS_TILES = _intrinsics("IQ2_XS")
 _IQ2_S_1, _IQ2_S_N, _IQ2_S_TILES = _intrinsics("IQ2_S")
+_IQ2_S_DECODE = iq2_s_dot()  # T = 1: `grid_dot`'s values in fewer instructions (int8grid_iq2s)
 _IQ3_XXS_1, _IQ3_XXS_N, _IQ3_XXS_TILES = _intrinsics("IQ3_XXS")
 _IQ3_S_1, _IQ3_S_N, _IQ3_S_TILES = _intrinsics("IQ3_S")
 _IQ1_S_1, _IQ1_S_N, _IQ1_S_TILES = _intrinsics("IQ1_S")
@@ -101,7 +105,7 @@ def _mv_iq2_s(nt, w, aq, ad, bsums, out):
     else:
         for r in prange(w.shape[0]):
             if T == 1:
-                out[0, r] = _IQ2_S_1(w, r, aq, 0, ad, bsums, nb, _G_IQ2_S, SIGNS)
+                out[0, r] = _IQ2_S_DECODE(w, r, aq, 0, ad, nb, _G_IQ2_S)
             else:
                 _IQ2_S_N(w, r, aq, T, ad, bsums, nb, _G_IQ2_S, SIGNS, out)
     use_threads(previous)

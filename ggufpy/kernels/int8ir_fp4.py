@@ -15,7 +15,9 @@ saturation). The f32 steps are those of the replays:
     MXFP4, out % 8 == 0   the repacked gemv / gemm (`gemm_q4_b32_8x8_q8_0_lut_avx`): one lane per weight row,
                           acc = fma(float(isum_b), d, acc); eight GGUF rows per call, as `int8ir_x8.q4_0_dot8`
     NVFP4                 `ggml_vec_dot_nvfp4_q8_0` (quants/x86/nvfp4.py): per Q8_0 block, lanes 0-3 scaled
-                          by the first 16-element sub-block's d, lanes 4-7 by the second's
+                          by the first 16-element sub-block's d, lanes 4-7 by the second's; four activation
+                          rows per call here, single rows (decode) by `int8ir_nvfp4` (activations permuted
+                          once per call, the weights prefetched ahead)
 
 The weights are read as stored in the GGUF file (no copy; expert stacks use the eight-row groups of
 `int8ir_fp4_x8.py`, one stream instead of eight). Every intrinsic takes (w u8 (rows, row_bytes) C,
@@ -58,6 +60,7 @@ from .int8ir import (
     _signature,
     _splat,
 )
+from .int8ir_nvfp4 import nvfp4_row_dot, permuted
 from .int8ir_x8 import _reduce8, _signature8, _store8
 
 __all__ = ["KERNELS", "mxfp4_dot", "mxfp4_dot8", "nvfp4_dot"]
@@ -295,7 +298,7 @@ def nvfp4_dot(n_act: int = 1):
 _MXFP4 = mxfp4_dot()
 _MXFP4_8 = mxfp4_dot8()
 _MXFP4_8X4 = mxfp4_dot8(4)
-_NVFP4 = nvfp4_dot()
+_NVFP4_ROW = nvfp4_row_dot()  # one activation row, permuted once per call (`int8ir_nvfp4`)
 _NVFP4_X4 = nvfp4_dot(4)
 
 
@@ -327,11 +330,13 @@ def _mv_nvfp4(nt, w, aq, ad, asum, out):
     previous = use_threads(nt)
     nb = aq.shape[1] // 32
     T = aq.shape[0]
+    t0 = T - T % 4
+    ap, c12, dap = permuted(aq, ad, asum, t0)  # the rows after the groups of four (decode: the one row)
     for r in prange(w.shape[0]):
-        for t in range(0, T - T % 4, 4):
+        for t in range(0, t0, 4):
             _NVFP4_X4(w, r, aq, t, ad, asum, nb, out)
-        for t in range(T - T % 4, T):
-            out[t, r] = _NVFP4(w, r, aq, t, ad, asum, nb)
+        for t in range(t0, T):
+            out[t, r] = _NVFP4_ROW(w, r, ap, t - t0, dap, c12, nb)
     use_threads(previous)
 
 
@@ -342,7 +347,8 @@ def mxfp4_kernel(nt, w, aq, ad, s, asum, out):
 
 
 def nvfp4_kernel(nt, w, aq, ad, s, asum, out):
-    """`int8dot`'s Q8_0 kernel contract for NVFP4 rows u8 (rows, nb / 2 * 36): the vec_dot for every shape."""
+    """`int8dot`'s Q8_0 kernel contract for NVFP4 rows u8 (rows, nb / 2 * 36): the vec_dot for every shape, four
+    activation rows at a time (`nvfp4_dot(4)`), the rest one at a time (`int8ir_nvfp4.nvfp4_row_dot`)."""
     _mv_nvfp4(nt, w, aq, ad, asum, out)
 
 
