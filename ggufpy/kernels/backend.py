@@ -386,15 +386,17 @@ class NumbaBackend(CompileAhead, ExpertProducts):
         return attention_q8.attention(q, k, v, start, scale, window, softcap, ggml=ggml, threads=threads)
 
     def decode_block(self, config, w, i: int, h: np.ndarray, pos: int, cos, sin, cache) -> np.ndarray | None:
-        """A whole transformer block for one token in one compiled call (`kernels.layer`), bit-identical to
-        `Model.block` on this backend; None where the layer or the numerics are outside its scope."""
-        from . import layer  # imports this module
+        """A whole transformer block for one token in one compiled call (`kernels.layer`; with the integer
+        kernels of the llamacpp numerics `kernels.layer_ggml`), bit-identical to `Model.block` on this backend;
+        None where the layer or the numerics are outside its scope."""
+        from . import layer, layer_ggml  # import this module
 
-        if _has_block_types(w):
+        if not self._integer and _has_block_types(w):
             return None
         if self._pending:  # the block takes every kernel's address: all of them loaded here, none compiled twice
             self.await_compiles()
-        return layer.decode_block(self, config, w, i, h, pos, cos, sin, cache)
+        fused = layer_ggml if self._integer else layer
+        return fused.decode_block(self, config, w, i, h, pos, cos, sin, cache)
 
     def decode_rows(self, config, w, i: int, h: np.ndarray, positions, cos, sin, caches) -> np.ndarray | None:
         """A whole block of a batched pass (B rows, each at its own position of its own cache) in one compiled
