@@ -2,30 +2,24 @@
 
 `matvec_rows(p, xv, terms)` gives, for each row t, bit for bit the result of `matvec` on that row alone
 (T == 1), whatever the other rows are: each row's sums take the single-row kernels' operations in their order
-(`_nib_row`; `_row` with the `*_dot1` inner products), with the loops turned inside out:
+(`_nib_row`; `_row` with the `*_dot1` inner products and `_accumulate_direct`), with the loops turned inside out:
 
-    _sub_sums                      # each row's sum over each sub-block of x, once (not once per group)
-    for g in prange(groups):       # one task per group of 64 weight rows
-        for s in sub-blocks:       # unpack sub-block s of the group to f32 (S, 64) once, its scales once
-            row_sums               # every row's 64 lane sums over it, in registers (batched_ir.py)
-            for t in range(B):     # row t's scale step, in the single-row kernels' own code
+    _sub_sums                          # each row's sum over each sub-block of x, once (not once per group)
+    for u in prange(groups * 4):       # one task per unit: a group of 64 weight rows, 16 of its lanes
+        unit_rows                      # every row's lanes of the unit, sub-block by sub-block (batched_ir.py)
 
-so each weight byte comes from memory once per step for all B rows, is unpacked to f32 once for all rows
-(into an L1 scratch), and the multiply-adds of a pair of rows share each vector load of those values. The
-sub-block sums of x (exact numerics' `_terms`: a chain of S dependent adds, which the single-row kernel repeats
-for every group and which cost about as much as the multiply-adds) are summed once per call in the same order.
-`attention_rows`: every row's attention of a decode step in one compiled call. The
-scale step is the single-row kernels' code on purpose: their parallel body rounds it differently when it was
-compiled in this process and when it came from numba's cache (same machine code for the kernel itself: the
-body linked in from its own compile, or the copy in the cached object), and only the same numba code follows
-them in both cases (tests/test_batch.py passes on a cold and on a warm cache). `matvec`'s own T > 1 path
-takes rows two at a time with another summation (and the last row of an odd T alone), so its rows depend on
+so each weight byte comes from memory once per step for all B rows and is widened to f32 in registers once per
+tile of 4 rows (2 below 4 rows, over 32 lanes); the sums and the scale step stay in registers. The sub-block
+sums of x (exact numerics' `_terms`: a chain of S dependent adds, which the single-row kernel repeats for every
+group and which cost about as much as the multiply-adds) are summed once per call in the same order. Units of
+16 lanes (not whole groups) let two threads share small matrices evenly: a row's operations do not depend on
+the unit. `attention_rows`: every row's attention of a decode step in one compiled call. `matvec`'s own T > 1
+path takes rows two at a time with another summation (and the last row of an odd T alone), so its rows depend on
 their neighbours: the batched decode of `Model.decode_batch` must not use it.
 
-numba caveat: "bit-identical to `matvec`" holds when both kernels come from the same place (both compiled
-now, as on a clean checkout, or both cached); right after this file changes, the first process compiles these
-kernels while `matvec`'s come from the cache. The server decodes every token with these kernels, so its
-responses do not depend on it.
+The arithmetic is `unit_rows`'s IR with explicit flags (`contract` exactly where the single-row kernels fuse a
+multiply-add), so it computes the same whether it was compiled in this process or loaded from numba's cache
+(tests/test_server_batch_cache.py); the kernels here have no `fast` flag, which numba would add to that IR.
 """
 
 from __future__ import annotations
@@ -38,39 +32,11 @@ from ._numba import DISABLED, get_threads, jit, prange, use_threads
 from .attention import _attention_rows as _attention_rows_kernel
 from .attention import attention_rows as _attention_rows
 from .backend import FLOAT_TYPES
-from .batched_ir import row_sums
+from .batched_ir import UNITS, WIDE_BELOW, unit_rows
 from .layout import GROUP, Packed
-from .matvec import _nib6_values, _scale_at, matvec, plan
+from .matvec import matvec, plan
 
 __all__ = ["attention_rows", "linears_rows", "matvec_rows", "row_kernel"]
-
-
-# --- unpacking one sub-block of a group into f32 values (S, 64), once for all rows ---------------------------
-@jit(inline=True)
-def _unpack_nib(q, g, s, S, vals, quarter):
-    for k in range(S):
-        for r in range(32):
-            v = q[g, s, k, r]
-            vals[k, r] = np.float32(np.int32(v & 15))
-            vals[k, 32 + r] = np.float32(np.int32(v >> 4))
-
-
-@jit(inline=True)
-def _unpack_nib6(q, g, s, S, vals, quarter):
-    for k in range(S):
-        for r in range(quarter):
-            v0, v1, v2, v3 = _nib6_values(q, g, s, k, r)
-            vals[k, r] = v0
-            vals[k, 16 + r] = v1
-            vals[k, 32 + r] = v2
-            vals[k, 48 + r] = v3
-
-
-@jit(inline=True)
-def _unpack_i8(q, g, s, S, vals, quarter):
-    for k in range(S):
-        for r in range(64):
-            vals[k, r] = np.float32(np.int32(q[g, s, k, r]))
 
 
 @jit
@@ -86,135 +52,72 @@ def _sub_sums(xv, S, sums):
             sums[t, s] = total
 
 
-@jit(inline=True)
-def _rows(unpack, q, a, b, sc, mn, per, zo, xv, sums, g, out, quarter):
-    """Every row t of xv times group g, each row's operations those of the single-row kernels (`_nib_row`,
-    `_row`): per lane r, the sum over the sub-block (`row_sums`, batched_ir.py), then the scale step in the
-    expressions of `_accumulate_direct`, with the lane scales converted (exactly) once per sub-block for all
-    rows. Scratch arrays are indexed, never sliced: a view in a parallel loop's body costs numba's `noalias`.
-    Weights without sub-block scales sc, mn (Q4_0 .. Q8_0, IQ4_NL) only: `_rows_super` has their branches,
-    which in the row loop, even untaken, made LLVM compile a slower scale step (1.15x the whole product at
-    B = 8, 1.25x at B = 4 on SmolLM2's Q4_1)."""
-    _, n, S, _ = q.shape
-    B = xv.shape[0]
-    vals = np.empty((S, 64), np.float32)
-    blk = np.empty((B, 64), np.float32)
-    acc = np.zeros((B, 64), np.float32)
-    lane = np.empty((2, 64), np.float32)  # the sub-block's A and B per lane, as f32 (exact conversions)
-    for s in range(n):
-        unpack(q, g, s, S, vals, quarter)
-        row_sums(vals, xv, s, blk)
-        sb = s // per
-        for r in range(64):
-            lane[0, r] = _scale_at(a, g, sb, r)
-        if b.shape[0] > 0:
-            for r in range(64):
-                lane[1, r] = _scale_at(b, g, sb, r)
-        for t in range(B):
-            sm = sums[t, s]  # `_terms` of exact numerics: (zo * sum, 1, sum)
-            corr, sa = np.float32(zo) * sm, np.float32(1.0)
-            for r in range(64):
-                acc[t, r] += (lane[0, r] * sa) * (blk[t, r] + corr)
-            if b.shape[0] > 0:
-                for r in range(64):
-                    acc[t, r] += lane[1, r] * sm
-    for t in range(B):
-        for r in range(64):
-            out[t, g * 64 + r] = acc[t, r]
+# One kernel per family and style (`batched_ir.unit_rows`); the parallel loop runs over units of 16 lanes
+# (32 below WIDE_BELOW rows), so two threads split even small matrices evenly. No `fast` flag here: numba would
+# add it to every float operation of the intrinsic's IR, which sets its own (see batched_ir.py).
+_NIB, _NIB_SUPER = unit_rows["nib", False], unit_rows["nib", True]
+_NIB6, _NIB6_SUPER = unit_rows["nib6", False], unit_rows["nib6", True]
+_I8, _I8_SUPER = unit_rows["i8", False], unit_rows["i8", True]
 
 
 @jit(inline=True)
-def _rows_super(unpack, q, a, b, sc, mn, per, zo, xv, sums, g, out, quarter):
-    """`_rows` for weights with sub-block scales sc or mn (the super style: K-quants), whose scale step
-    multiplies them in as `_accumulate_direct` does."""
-    _, n, S, _ = q.shape
-    B = xv.shape[0]
-    vals = np.empty((S, 64), np.float32)
-    blk = np.empty((B, 64), np.float32)
-    acc = np.zeros((B, 64), np.float32)
-    lane = np.empty((4, 64), np.float32)  # the sub-block's A, B, sc, mn per lane, as f32 (exact conversions)
-    for s in range(n):
-        unpack(q, g, s, S, vals, quarter)
-        row_sums(vals, xv, s, blk)
-        sb = s // per
-        for r in range(64):
-            lane[0, r] = _scale_at(a, g, sb, r)
-        if b.shape[0] > 0:
-            for r in range(64):
-                lane[1, r] = _scale_at(b, g, sb, r)
-        if sc.shape[0] > 0:
-            for r in range(64):
-                lane[2, r] = np.float32(np.int32(sc[g, s, r]))
-        if mn.shape[0] > 0:
-            for r in range(64):
-                lane[3, r] = np.float32(np.int32(mn[g, s, r]))
-        for t in range(B):
-            sm = sums[t, s]  # `_terms` of exact numerics: (zo * sum, 1, sum)
-            corr, sa = np.float32(zo) * sm, np.float32(1.0)
-            if sc.shape[0] > 0:
-                for r in range(64):
-                    acc[t, r] += (lane[0, r] * lane[2, r] * sa) * (blk[t, r] + corr)
-            else:
-                for r in range(64):
-                    acc[t, r] += (lane[0, r] * sa) * (blk[t, r] + corr)
-            if b.shape[0] > 0:
-                if mn.shape[0] > 0:
-                    for r in range(64):
-                        acc[t, r] += lane[1, r] * lane[3, r] * sm
-                else:
-                    for r in range(64):
-                        acc[t, r] += lane[1, r] * sm
-    for t in range(B):
-        for r in range(64):
-            out[t, g * 64 + r] = acc[t, r]
+def _units(xv):
+    """(wide, units per group) for B = xv.shape[0] rows."""
+    wide = np.int64(1) if xv.shape[0] < WIDE_BELOW else np.int64(0)
+    return wide, UNITS // 2 if wide else UNITS
 
 
-# Separate kernels per family and style, as in `matvec`: LLVM optimizes each loop nest on its own.
-@jit(parallel=True, fast=True)
-def _rows_nib_super(nt, q, a, b, sc, mn, per, zo, xv, sums, out):
-    previous = use_threads(nt)
-    for g in prange(q.shape[0]):
-        _rows_super(_unpack_nib, q, a, b, sc, mn, per, zo, xv, sums, g, out, 0)
-    use_threads(previous)
-
-
-@jit(parallel=True, fast=True)
-def _rows_nib6_super(nt, q, a, b, sc, mn, per, zo, xv, sums, out):
-    previous = use_threads(nt)
-    for g in prange(q.shape[0]):
-        _rows_super(_unpack_nib6, q, a, b, sc, mn, per, zo, xv, sums, g, out, q.shape[3] // 3)
-    use_threads(previous)
-
-
-@jit(parallel=True, fast=True)
-def _rows_i8_super(nt, q, a, b, sc, mn, per, zo, xv, sums, out):
-    previous = use_threads(nt)
-    for g in prange(q.shape[0]):
-        _rows_super(_unpack_i8, q, a, b, sc, mn, per, zo, xv, sums, g, out, 0)
-    use_threads(previous)
-
-
-@jit(parallel=True, fast=True)
+@jit(parallel=True)
 def _rows_nib(nt, q, a, b, sc, mn, per, zo, xv, sums, out):
     previous = use_threads(nt)
-    for g in prange(q.shape[0]):
-        _rows(_unpack_nib, q, a, b, sc, mn, per, zo, xv, sums, g, out, 0)
+    wide, units = _units(xv)
+    for u in prange(q.shape[0] * units):
+        _NIB(q, a, b, sc, mn, per, np.float32(zo), xv, sums, u, wide, out)
     use_threads(previous)
 
 
-@jit(parallel=True, fast=True)
+@jit(parallel=True)
+def _rows_nib_super(nt, q, a, b, sc, mn, per, zo, xv, sums, out):
+    previous = use_threads(nt)
+    wide, units = _units(xv)
+    for u in prange(q.shape[0] * units):
+        _NIB_SUPER(q, a, b, sc, mn, per, np.float32(zo), xv, sums, u, wide, out)
+    use_threads(previous)
+
+
+@jit(parallel=True)
 def _rows_nib6(nt, q, a, b, sc, mn, per, zo, xv, sums, out):
     previous = use_threads(nt)
-    for g in prange(q.shape[0]):
-        _rows(_unpack_nib6, q, a, b, sc, mn, per, zo, xv, sums, g, out, q.shape[3] // 3)
+    wide, units = _units(xv)
+    for u in prange(q.shape[0] * units):
+        _NIB6(q, a, b, sc, mn, per, np.float32(zo), xv, sums, u, wide, out)
     use_threads(previous)
 
 
-@jit(parallel=True, fast=True)
+@jit(parallel=True)
+def _rows_nib6_super(nt, q, a, b, sc, mn, per, zo, xv, sums, out):
+    previous = use_threads(nt)
+    wide, units = _units(xv)
+    for u in prange(q.shape[0] * units):
+        _NIB6_SUPER(q, a, b, sc, mn, per, np.float32(zo), xv, sums, u, wide, out)
+    use_threads(previous)
+
+
+@jit(parallel=True)
 def _rows_i8(nt, q, a, b, sc, mn, per, zo, xv, sums, out):
     previous = use_threads(nt)
-    for g in prange(q.shape[0]):
-        _rows(_unpack_i8, q, a, b, sc, mn, per, zo, xv, sums, g, out, 0)
+    wide, units = _units(xv)
+    for u in prange(q.shape[0] * units):
+        _I8(q, a, b, sc, mn, per, np.float32(zo), xv, sums, u, wide, out)
+    use_threads(previous)
+
+
+@jit(parallel=True)
+def _rows_i8_super(nt, q, a, b, sc, mn, per, zo, xv, sums, out):
+    previous = use_threads(nt)
+    wide, units = _units(xv)
+    for u in prange(q.shape[0] * units):
+        _I8_SUPER(q, a, b, sc, mn, per, np.float32(zo), xv, sums, u, wide, out)
     use_threads(previous)
 
 
