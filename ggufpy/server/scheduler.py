@@ -6,7 +6,9 @@
 
 The thread owns the model. Each step it
 1. admits waiting jobs into free slots (a slot is a KV cache of `ctx_size` positions and the job's state),
-   with the longest matching prefix of a finished request's cache when its prompt starts like that one's;
+   with the longest matching prefix of a finished request's cache, or a copy of a running one's, when its
+   prompt starts like that one's; a job whose prompt shares more with a prompt still being prefilled waits
+   for those positions and copies them (`n` choices of one prompt prefill it once);
 2. decodes one token for every slot past its prompt, and prefills up to `prefill_chunk` prompt tokens (the
    slots' prompts in turn), all in one `Model.prefill_batch` pass: one pass over the weights for all of those
    rows, each bit-identical to that token decoded alone (batch invariance); a long prompt delays the others
@@ -97,6 +99,9 @@ class _Slot:
         self.next_token: int | None = None  # sampled, not yet in the cache
         self.decoder = IncrementalDecoder(tokenizer, job.prompt)
         self.pending = ""  # text held back because it could start a stop string
+        # a slot waiting for another slot's prompt prefill: it copies positions 0..share-1 once they are computed
+        self.source: _Slot | None = None
+        self.share = 0
 
 
 class Metrics:
@@ -192,6 +197,7 @@ class Scheduler:
                 if not (self._slots or self._waiting or self._exclusive):
                     self._wake.wait(IDLE_WAIT)
                     continue
+                self._resolve()  # before admitting: a finished source's cache goes to its followers first
                 admitted = self._admit()
                 exclusive = list(self._exclusive)
                 self._exclusive.clear()
@@ -214,43 +220,78 @@ class Scheduler:
             self._finish(slot, "error", "the server is shutting down")
 
     def _admit(self) -> list[_Slot]:
-        admitted = []
+        admitted: list[_Slot] = []
         while self._waiting and len(self._slots) + len(admitted) < self.parallel:
             job, emit = self._waiting.popleft()
             if job.cancelled.is_set():
                 continue
-            cache, reused = self._reuse(job.prompt) if job.cache_prompt else (None, 0)
-            slot = _Slot(job, cache or self.model.new_cache(capacity=self.ctx_size), emit, self.tokenizer)
-            slot.prefilled = slot.cached = reused
+            found = self._found(job.prompt) if job.cache_prompt else None
+            slot = _Slot(job, None, emit, self.tokenizer)
+            slot.source, slot.share = self._source(job, self._slots + admitted, found[2] if found else 0)
+            if slot.source is None:
+                self._start(slot, found)
             admitted.append(slot)
         self.metrics.queue_length = len(self._waiting)
         return admitted
 
-    def _reuse(self, prompt: Sequence[int]) -> tuple[object | None, int]:
-        """(a cached KV cache, how many of its positions `prompt` can keep), or (None, 0).
+    def _source(self, job: Job, slots: list[_Slot], reused: int) -> tuple[_Slot | None, int]:
+        """(a slot whose prompt prefill will compute more of `job`'s prompt than the `reused` positions found
+        now, how many positions `job` will copy from it), or (None, 0). Only in rows passes (every position is
+        its token computed alone, so a copy is what `job` would compute)."""
+        if not (self.rows_prefill and job.cache_prompt):
+            return None, 0
+        best, share = None, reused
+        for s in slots:
+            if s.source is None and s.job.cache_prompt and s.prefilled < len(s.job.prompt):
+                n = min(_common(s.job.prompt, job.prompt), len(job.prompt) - 1)
+                if n > max(share, s.prefilled if s.cache is not None else 0):  # positions still to be computed
+                    best, share = s, n
+        return best, share
+
+    def _resolve(self) -> None:
+        """Give each waiting slot its copied prefix once its source computed it (or went away)."""
+        for slot in self._slots:
+            source = slot.source
+            if source is None or (source.cache is not None and source.cache.length < slot.share):
+                continue
+            slot.source = None
+            self._start(slot, self._found(slot.job.prompt))  # the source's cache, running or just finished
+
+    def _found(self, prompt: Sequence[int]) -> tuple[str, object, int] | None:
+        """The longest reusable prefix for `prompt`: ("finished", index into the finished requests' caches,
+        positions) or ("running", slot, positions), or None.
 
         A position is kept only where the cache holds bit for bit what a fresh prefill of `prompt` computes.
         With `prefill_batch` every position (prompt or generated) is its token computed alone, so the whole
-        common prefix of ids is kept, generated tokens included (a multi-turn chat's earlier answer). Without
-        it, prompts are prefilled in chunks from position 0, so only whole chunks inside both prompts are
-        kept. At least one prompt token is left to prefill, for the first logits."""
-        best, keep = None, 0
+        common prefix of ids is kept, generated tokens included (a multi-turn chat's earlier answer), and a
+        running slot's computed positions can be copied. Without it, prompts are prefilled in chunks from
+        position 0, so only whole chunks inside both prompts are kept, and only from finished requests. At
+        least one prompt token is left to prefill, for the first logits."""
+        found = None
         for i, (ids, _cache, prompt_len) in enumerate(self._cached):
-            common = 0
-            for a, b in zip(ids, prompt, strict=False):
-                if a != b:
-                    break
-                common += 1
-            n = min(common, len(prompt) - 1)
+            n = min(_common(ids, prompt), len(prompt) - 1)
             if not self.rows_prefill:
                 n = min(n, prompt_len) // self.prefill_chunk * self.prefill_chunk
-            if n > keep:
-                best, keep = i, n
-        if best is None:
-            return None, 0
-        _ids, cache, _n = self._cached.pop(best)
-        cache.advance(keep)  # forget the rest: later writes overwrite it, attention reads only 0..keep-1
-        return cache, keep
+            if n > (found[2] if found else 0):
+                found = ("finished", i, n)
+        for s in self._slots if self.rows_prefill else ():
+            if s.cache is not None and s.job.cache_prompt:
+                n = min(_common(s.history[: s.cache.length], prompt), len(prompt) - 1)
+                if n > (found[2] if found else 0):
+                    found = ("running", s, n)
+        return found
+
+    def _start(self, slot: _Slot, found: tuple[str, object, int] | None) -> None:
+        """Give `slot` its cache: a new one, or `found`'s (`_found`) cut to the shared prefix."""
+        if found is None:
+            slot.cache = self.model.new_cache(capacity=self.ctx_size)
+            return
+        kind, ref, keep = found
+        # a finished request's cache is taken; a running slot's is copied (it goes on writing its own)
+        cache = self._cached.pop(ref)[1] if kind == "finished" else ref.cache.resized(self.ctx_size)
+        cache.truncate(keep)  # forget the rest: later writes overwrite it, attention reads only 0..keep-1
+        slot.cache = cache
+        slot.prefilled = slot.cached = cache.length  # a recurrent state is kept whole or not at all (0)
 
     def _remember(self, slot: _Slot) -> None:
         """Keep a finished request's cache, with the ids of the positions in it (its prompt, then the tokens it
@@ -265,7 +306,7 @@ class Scheduler:
             self._finish(slot, "cancelled")
 
     def _prefill_one(self) -> None:
-        filling = [s for s in self._slots if s.prefilled < len(s.job.prompt)]
+        filling = [s for s in self._slots if s.source is None and s.prefilled < len(s.job.prompt)]
         if not filling:
             return
         slot = filling[self._turn % len(filling)]
@@ -292,13 +333,13 @@ class Scheduler:
         `prefill_chunk` prompt tokens of prefilling slots (starting with a different slot each step).
 
         Prompts take this path whatever their length (not BLAS chunks through `forward`): each row is then its
-        token computed alone, which makes any cached prefix reusable (`_reuse`). Measured on SmolLM2 Q4_1, one
+        token computed alone, which makes any cached prefix reusable (`_found`). Measured on SmolLM2 Q4_1, one
         thread: a 64-token prompt 0.49-0.56 s as rows against 0.57-0.69 s as one BLAS chunk; 64 tokens at
         positions 448-511 0.63-0.73 s against 0.49-0.59 s."""
         ready = [s for s in self._slots if s.next_token is not None]
         chunks = [[s.next_token] for s in ready]
         budget = self.prefill_chunk
-        filling = [s for s in self._slots if s.prefilled < len(s.job.prompt)]
+        filling = [s for s in self._slots if s.source is None and s.prefilled < len(s.job.prompt)]
         if filling:
             k = self._turn % len(filling)
             filling = filling[k:] + filling[:k]  # a long prompt does not hold the budget for the others
@@ -435,3 +476,13 @@ class Scheduler:
         if reason in ("stop", "length") and slot.prefilled == len(slot.job.prompt):
             self._remember(slot)
         slot.cache = None  # the slot lets go of the KV memory now, not when the client lets go of the job
+
+
+def _common(a: Sequence[int], b: Sequence[int]) -> int:
+    """The length of the common prefix of two id sequences."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
