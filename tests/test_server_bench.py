@@ -36,3 +36,16 @@ def test_flags():
     args = parser.parse_args(["bench", "--server", "--streams", "1", "2"])
     assert args.server and args.streams == [1, 2]
     assert parser.parse_args(["bench"]).streams == [1, 4, 8]
+
+
+def test_table_reports_each_rounds_ratio():
+    def rows(rounds):
+        return [{"streams": b, "tok_s": max(r), "rounds_tok_s": r} for b, r in zip((1, 8), rounds, strict=True)]
+
+    text = bench.table(
+        {"ggufpy": rows([[10.0, 12.0], [40.0, 36.0]]), "llama-cpp-python": rows([[20.0, 10.0], [10.0, 12.0]])}
+    )
+    lines = text.splitlines()
+    assert lines[3] == "| 8 | 40.0 | 12.0 | 3.33x | 3.33x |"  # each engine's best of its rounds
+    # round by round, each engine's figure against the other's taken right after it
+    assert lines[-1].endswith("1 streams 0.50x, 1.20x; 8 streams 4.00x, 3.00x")

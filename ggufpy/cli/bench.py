@@ -133,7 +133,7 @@ def _servers(path, args: argparse.Namespace) -> int:
         print("ggufpy: error: --server needs llama-cpp-python's server (pip install 'llama-cpp-python[server]')",
               file=sys.stderr)  # fmt: skip
         return 2
-    results = server_bench.run(path, args.streams, args.gen_tokens, args.threads)
+    results = server_bench.run(path, args.streams, args.gen_tokens, args.threads, rounds=args.rounds)
     if args.json:
         print(json.dumps({"model": str(path), "threads": args.threads, "gen_tokens": args.gen_tokens, **results}))
         return 0

@@ -9,6 +9,7 @@ the wall time from sending them to the last answer (prompts are a few tokens: th
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -79,19 +80,20 @@ def measure(url: str, streams: int, gen_tokens: int, banned: dict[str, float]) -
     return {"streams": streams, "tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds, "load": load}
 
 
-def run_engine(engine: str, path, streams: list[int], gen_tokens: int, threads: int, banned) -> list[dict]:
-    """Start `engine`'s server on `path`, measure each concurrency in `streams`, stop it."""
+@contextlib.contextmanager
+def _server(engine: str, path, parallel: int, threads: int, banned):
+    """`engine`'s server on `path` at a free loopback port, warmed up by one request: yields its URL."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    ctx = 256 if engine == "ggufpy" else 256 * max(streams)  # llama-cpp-python: one context for everything
-    argv = _commands(path, threads, max(streams), ctx, port)[engine]
+    ctx = 256 if engine == "ggufpy" else 256 * parallel  # llama-cpp-python: one context for everything
+    argv = _commands(path, threads, parallel, ctx, port)[engine]
     env = {**os.environ, "NUMBA_NUM_THREADS": str(threads), "OMP_NUM_THREADS": str(threads)}
     log = tempfile.TemporaryFile()  # not a pipe: llama.cpp's load log would fill it and block the server
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=log, env=env)
     try:
         _wait_ready(proc, url, log)
         _one(url, "warm up", 4, banned)
-        return [measure(url, b, gen_tokens, banned) for b in streams]
+        yield url
     finally:
         proc.terminate()
         try:
@@ -102,12 +104,31 @@ def run_engine(engine: str, path, streams: list[int], gen_tokens: int, threads: 
         log.close()
 
 
-def run(path, streams=(1, 4, 8), gen_tokens: int = 32, threads: int = 2, engines=("ggufpy", "llama-cpp-python")):
-    """{engine: [measure(...) per concurrency]}; the end-of-generation tokens of `path` are banned."""
+def run(
+    path, streams=(1, 4, 8), gen_tokens: int = 32, threads: int = 2, engines=("ggufpy", "llama-cpp-python"),
+    rounds: int = 1,
+):  # fmt: skip
+    """{engine: [measure(...) per concurrency]}, the best of `rounds` (each row's `rounds_tok_s` has them all);
+    the end-of-generation tokens of `path` are banned.
+
+    Both servers run at once (the idle one sleeps) and each round measures every concurrency on every engine
+    one after the other, so a slow stretch of a shared machine falls on both engines' figures of that round."""
     from ..tokenizer import load_tokenizer
 
     banned = {str(t): -100.0 for t in sorted(load_tokenizer(path).eog_ids)}
-    return {e: run_engine(e, path, list(streams), gen_tokens, threads, banned) for e in engines}
+    runs: dict[str, dict[int, list[dict]]] = {e: {b: [] for b in streams} for e in engines}
+    with contextlib.ExitStack() as stack:
+        urls = {e: stack.enter_context(_server(e, path, max(streams), threads, banned)) for e in engines}
+        for _ in range(rounds):
+            for b in streams:
+                for e in engines:
+                    runs[e][b].append(measure(urls[e], b, gen_tokens, banned))
+    return {
+        e: [
+            {**max(rows, key=lambda r: r["tok_s"]), "rounds_tok_s": [r["tok_s"] for r in rows]} for rows in per.values()
+        ]
+        for e, per in runs.items()
+    }
 
 
 def table(results: dict[str, list[dict]]) -> str:
@@ -129,4 +150,13 @@ def table(results: dict[str, list[dict]]) -> str:
     loads = [e + " " + ", ".join(f"{r['load']:.1f}" for r in results[e]) for e in engines if "load" in results[e][0]]
     if loads:
         lines.append("\nload average (1 min) at the end of each row: " + "; ".join(loads))
+    if len(engines) == 2 and len(results[engines[0]][0].get("rounds_tok_s", ())) > 1:  # each round's own ratios
+        a, b = (results[e] for e in engines)
+        per_round = [
+            f"{x['streams']} streams "
+            + ", ".join(f"{p / q:.2f}x" for p, q in zip(x["rounds_tok_s"], y["rounds_tok_s"], strict=True))
+            for x, y in zip(a, b, strict=True)
+        ]
+        lines.append(f"\n{engines[0]} / {engines[1]} in each round (the table keeps each engine's best): ")
+        lines[-1] += "; ".join(per_round)
     return "\n".join(lines)
