@@ -202,7 +202,7 @@ def test_reader_streams_as_it_goes():
     assert reader.feed('{"a":') == [CallDelta(0, None, None, '{"a":')]
     assert reader.feed(" 1}") == [CallDelta(0, None, None, " 1}")]
     assert reader.close() == [] and reader.calls == 1
-    deltas = [toolcalls.delta(p, reader) for p in (Reasoning("x"), head, CallDelta(0, None, None, "{}"))]
+    deltas = [toolcalls.delta(p) for p in (Reasoning("x"), head, CallDelta(0, None, None, "{}"))]
     assert deltas[0] == {"reasoning_content": "x"}
     named = {"index": 0, "id": head.id, "type": "function", "function": {"name": "f", "arguments": ""}}
     assert deltas[1] == {"tool_calls": [named]}

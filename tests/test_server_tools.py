@@ -22,6 +22,7 @@ httpx = pytest.importorskip("httpx")
 from ggufpy.chat import ChatTemplate  # noqa: E402
 from ggufpy.server import tools as toolcalls  # noqa: E402
 from ggufpy.server.app import create_app  # noqa: E402
+from ggufpy.server.harmony import merge  # noqa: E402
 from tests.server_live import LiveServer  # noqa: E402
 
 MODEL_ID = "smollm2"
@@ -91,9 +92,8 @@ def read(fmt, text, step=None):
     reader = toolcalls.ToolCallReader(fmt)
     step = step or len(text) or 1
     pieces = [p for i in range(0, len(text), step) for p in reader.feed(text[i : i + step])] + reader.close()
-    content = "".join(p for p in pieces if isinstance(p, str))
-    calls = [(p.name, json.loads(p.arguments)) for p in pieces if isinstance(p, toolcalls.ToolCall)]
-    return content, calls
+    content, _, calls = merge(pieces)
+    return content, [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
 
 
 @pytest.mark.parametrize("step", [None, 1, 3])
@@ -128,7 +128,8 @@ def read(fmt, text, step=None):
             "",
             [("f", {"s": "a;b"}), ("g", {})],
         ),
-        (LLAMA3, '{"name": "f", "parameters": {}} and then', '{"name": "f", "parameters": {}} and then', []),
+        # a call is sent as soon as its name and arguments begin (streamed): text after it is content
+        (LLAMA3, '{"name": "f", "parameters": {}} and then', " and then", [("f", {})]),
         (LLAMA3, "It is sunny {really}.", "It is sunny {really}.", []),
         (LLAMA3, '{"not": "a call"}', '{"not": "a call"}', []),
     ],

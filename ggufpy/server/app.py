@@ -32,7 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..chat import ChatTemplate, encode_chat
 from ..sampling import Sampler, SamplingParams
 from . import tools as toolcalls
-from .constrain import Constraint, GrammarError, compile_grammar, token_table
+from .constrain import Constraint, GrammarError, LazyConstraint, compile_grammar, lazy_grammar, token_table
 from .http import APIError, Guard, error_response, prometheus
 from .scheduler import Event, Job, Scheduler
 from .schemas import ChatRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest, TokenizeRequest
@@ -92,7 +92,7 @@ def create_app(
 
     # -- generation --------------------------------------------------------------------------------------
     def jobs(
-        body, prompt: list[int], top: int | None, grammar: str | None, specials: bool = False, stops=()
+        body, prompt: list[int], top: int | None, grammar: str | None, specials: bool = False, stops=(), lazy=None
     ) -> list[Job]:
         room = ctx_size - len(prompt)
         if room < 1:
@@ -114,7 +114,12 @@ def create_app(
             if params.logit_bias and not all(0 <= t < model.config.vocab_size for t in params.logit_bias):
                 raise APIError(400, f"logit_bias: token ids must be in 0..{model.config.vocab_size - 1}", "logit_bias")
             job = Job(prompt, min(max_tokens, room), Sampler(params), stops, top, body.cache_prompt)
-            job.constraint = None if grammar is None else Constraint(token_table(tokenizer), grammar)
+            if grammar is None:
+                job.constraint = None
+            elif lazy is None:
+                job.constraint = Constraint(token_table(tokenizer), grammar)
+            else:  # tool_choice "auto": the grammar holds from the call's trigger on
+                job.constraint = LazyConstraint(token_table(tokenizer), tokenizer, grammar, lazy)
             job.specials = specials
             out.append(job)
         return out
@@ -178,18 +183,25 @@ def create_app(
             raise APIError(400, str(e), param="response_format") from None
         return spec, "grammar" if body.grammar else "response_format"
 
-    async def generate(request: Request, body, prompt: list[int], chat: bool, spec=None, tool_format=None):
+    async def generate(request: Request, body, prompt: list[int], chat: bool, spec=None, tool_format=None, lazy=None):
         top = (body.top_logprobs or 0) if chat and body.logprobs else (body.logprobs if not chat else None)
         spec, param = (spec, "tools") if spec is not None else grammar_spec(body)
         if param == "response_format":  # harmony: in a final message (tools.structured)
             spec = toolcalls.structured(tool_format, spec)
         grammar = await compile_(spec, param)
+        if lazy is not None and spec is None:  # a call the model begins (a request's own grammar wins)
+            try:
+                grammar = await compile_(("lark", lazy_grammar(lazy, tokenizer)), "tools")
+            except APIError:  # parameters llguidance cannot take: the model's calls stay free, as before
+                lazy = None
+        else:
+            lazy = None
         specials = tool_format is not None and tool_format.specials  # its reader tells tags by their tokens
         stops = body.stops() + (tuple(s for s in template.stop if s not in body.stops()) if chat else ())
         if grammar is None:
             jobs_ = jobs(body, prompt, top, None, specials, stops)
         else:  # building a grammar's matchers can take a while: not on the event loop
-            jobs_ = await asyncio.to_thread(jobs, body, prompt, top, grammar, specials, stops)
+            jobs_ = await asyncio.to_thread(jobs, body, prompt, top, grammar, specials, stops, lazy)
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         obj = "chat.completion" if chat else "text_completion"
         head = {"id": ident, "created": int(time.time()), "model": model_id, "system_fingerprint": "ggufpy"}
@@ -255,7 +267,7 @@ def create_app(
 
         def deltas(i: int, pieces) -> list[str]:  # content, reasoning and tool-call deltas, as OpenAI streams them
             return [
-                json.dumps({**head, "object": obj, "choices": [_choice(i, toolcalls.delta(p, readers[i]), None, chat)]})
+                json.dumps({**head, "object": obj, "choices": [_choice(i, toolcalls.delta(p), None, chat)]})
                 for p in pieces
             ]
 
@@ -324,7 +336,7 @@ def create_app(
             prompt = encode_chat(tokenizer, messages, template, **kwargs)
         except Exception as e:  # a template that rejects these messages (roles out of order, ...)
             raise APIError(400, f"the chat template cannot render these messages: {e}", param="messages") from None
-        return await generate(request, body, prompt, chat=True, spec=spec, tool_format=tool_format)
+        return await generate(request, body, prompt, chat=True, spec=spec, tool_format=tool_format, lazy=plan.lazy)
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest):

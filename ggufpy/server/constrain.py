@@ -49,8 +49,7 @@ def token_table(tokenizer):
     # llguidance's special tokens: grammar text never produces them, a grammar names them (`<|end|>` in Lark).
     # Control and unknown tokens and the tag-like user-defined ones (gpt-oss's <|end|>), marked in their bytes
     # too; plain user-defined tokens (gemma's "<table>", whitespace runs) are text like any other.
-    unparsed = int(TokenAttr.CONTROL | TokenAttr.UNKNOWN)
-    special = {i for i, a in enumerate(vocab.attrs.tolist()) if a & unparsed} | tokenizer.control_like
+    special = special_ids(tokenizer)
     pieces = [SPECIAL_PREFIX + p if i in special else p for i, p in enumerate(vocab.pieces)]
 
     class _Vocabulary:  # what `llguidance.TokenizerWrapper` reads
@@ -66,6 +65,12 @@ def token_table(tokenizer):
 
     eog = sorted(tokenizer.eog_ids) or [tokenizer.eos_id]
     return llg.LLTokenizer(llg.TokenizerWrapper(_Vocabulary()), eos_token=eog)
+
+
+def special_ids(tokenizer) -> set[int]:
+    """The ids llguidance takes as special tokens (see `token_table`)."""
+    unparsed = int(TokenAttr.CONTROL | TokenAttr.UNKNOWN)
+    return {i for i, a in enumerate(tokenizer.vocab.attrs.tolist()) if a & unparsed} | tokenizer.control_like
 
 
 def _json_schema(schema: Any) -> str:
@@ -133,3 +138,60 @@ class Constraint:
     def finished(self) -> bool:
         """The grammar is complete and admits nothing more: the response ends here."""
         return self.matcher.is_stopped()
+
+
+def lazy_grammar(call, tokenizer) -> str:
+    """Lark (llguidance) for what follows a `tools.LazyCall`'s trigger: a little whitespace, the call's JSON, a
+    little whitespace and its closing tag, written out or as the one special token some vocabularies have for
+    it (Qwen's `</tool_call>`, a tag-like user-defined token llguidance marks special)."""
+    close = json.dumps(call.close)
+    token = tokenizer.vocab.token_to_id.get(call.close)
+    if token is not None and token in special_ids(tokenizer):
+        close = f"({close} | <[{token}]>)"
+    return f"start: WS? {call.body} WS? {close}\nWS: /[ \\t\\r\\n]{{1,4}}/\n"
+
+
+class LazyConstraint:
+    """llama.cpp's lazy grammar (`grammar_lazy` with a word trigger, common/sampling.cpp) on llguidance: no mask
+    until the reply's text contains `call.trigger`, then `grammar` (`lazy_grammar`: the rest of one call)
+    until it is complete; then free again when `call.repeat` (parallel tool calls), else the reply is over
+    (`finished`). The same interface as `Constraint` (what the scheduler calls), so a row stays batch-invariant.
+
+    The trigger is found in the tokens' bytes (`Vocab.pieces`), so it may be spelled out over several tokens or
+    be one special token (Qwen's `<tool_call>`). Text after the trigger in the same token is fed to the grammar
+    first (its tokens by llguidance's tokenizer); if the grammar refuses it, that call stays free."""
+
+    def __init__(self, table, tokenizer, grammar: str, call):
+        self.pieces = tokenizer.vocab.pieces
+        self.tokenize = table.tokenize_bytes
+        self.trigger = call.trigger.encode()
+        self.repeat = call.repeat
+        self.call = Constraint(table, grammar)  # built before the job runs, reset after each call
+        self.active = False  # inside a call: its grammar masks the logits
+        self.tail = b""  # the end of the free text, which may hold the trigger's beginning
+        self.done = False
+
+    def apply(self, logits: np.ndarray) -> np.ndarray:
+        return self.call.apply(logits) if self.active else logits
+
+    def advance(self, token: int) -> None:
+        if self.active:
+            self.call.advance(token)
+            if self.call.finished:  # the call is complete: free text again, or the end
+                self.active, self.done = False, not self.repeat
+                self.call.matcher.reset()
+            return
+        text = self.tail + self.pieces[int(token)]
+        at = text.find(self.trigger)
+        if at < 0:
+            self.tail = text[len(text) - min(len(text), len(self.trigger) - 1) :]
+            return
+        self.tail, rest = b"", text[at + len(self.trigger) :]
+        if self.call.matcher.consume_tokens(self.tokenize(rest)) if rest else True:
+            self.active = True
+        else:
+            self.call.matcher.reset()
+
+    @property
+    def finished(self) -> bool:
+        return self.done

@@ -7,19 +7,21 @@ renders `tools` itself gets them as `tools=`; one that does not (SmolLM2's) gets
 written here (Qwen 2.5's Hermes tool prompt; harmony's `functions` namespace), and its replies are read as such.
 
 `tool_choice` "required" or a named function forces a valid call with a grammar (`forcing_grammar`, through
-structured output); "auto" leaves the model free and parses what it writes; "none" renders no tools.
+structured output); "auto" leaves the model free until it writes the format's trigger (Hermes' `<tool_call>`),
+then constrains the rest of that call (`LazyCall`, constrain.py's `LazyConstraint`: llama.cpp's lazy grammars);
+"none" renders no tools. Hermes and Llama 3 replies are read as they stream (`tool_stream.py`).
 """
 
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from ..chat_encode import REASONING_FIELDS
-from .harmony import CallDelta, HarmonyReader, Reasoning, merge, partial_suffix
+from .harmony import CallDelta, HarmonyReader, Reasoning, merge
+from .tool_stream import ToolCallReader
 
 # Qwen 2.5's tool system prompt (its tokenizer_config.json chat template), for templates that render no tools
 HERMES_SYSTEM = (
@@ -35,6 +37,9 @@ HARMONY_TOOL = "// {description}\ntype {name} = (_: {parameters}) => any;\n\n"
 # <|...|> are tokens (llguidance's special-token syntax), which no text spelling them may stand for
 HARMONY_CALL = '<|channel|> "commentary to=functions.{name} " <|constrain|> "json" <|message|>'
 NO_WHITESPACE = {"x-guidance": {"whitespace_flexible": False}}  # forced calls as compact JSON (constrain.py says why)
+# a call the model began itself: its own spacing (Qwen writes `{"name": "f", "arguments": {...}}`), at most one
+# space between JSON tokens, so it cannot pad forever
+ONE_SPACE = {"x-guidance": {"whitespace_flexible": True, "whitespace_pattern": "[ ]?"}}
 
 
 @dataclass(frozen=True)
@@ -94,14 +99,27 @@ def check_tools(tools: Sequence[Mapping[str, Any]], choice: Any) -> str | None:
 
 
 @dataclass(frozen=True)
+class LazyCall:
+    """A call the model may begin (tool_choice "auto"): free text until `trigger`, then `body` (Lark: one call's
+    JSON) and `close`; free again after it when `repeat` (parallel_tool_calls), else the reply ends there."""
+
+    trigger: str
+    body: str
+    close: str
+    repeat: bool
+
+
+@dataclass(frozen=True)
 class ToolPlan:
     """What a chat request's tools make of it: the messages and `tools=` for the template, the format its
-    reply is read in (None: plain content) and the grammar forcing a call (None: the model is free)."""
+    reply is read in (None: plain content), the grammar forcing a call (None: the model is free) and the lazy
+    grammar of a call the model begins (`tool_choice` "auto", formats with a trigger)."""
 
     messages: list[dict]
     tools: list[dict] | None
     format: ToolFormat | None
     grammar: str | None
+    lazy: LazyCall | None = None
 
 
 def plan(template_source: str, messages: list[dict], tools, choice, parallel: bool) -> ToolPlan:
@@ -114,10 +132,13 @@ def plan(template_source: str, messages: list[dict], tools, choice, parallel: bo
         return ToolPlan(messages, None, read_as, None)
     forced = check_tools(tools or [], choice)
     messages, passed = render_tools(fmt, native, messages, offered)
-    grammar = None
+    grammar = lazy = None
     if offered and (forced is not None or choice == "required"):
         grammar = forcing_grammar(fmt, offered, forced, parallel)
-    return ToolPlan(messages, passed, read_as, grammar)
+    elif offered and fmt.open is not None:  # Hermes: `<tool_call>` starts a call (Llama 3, harmony: none)
+        body = "%json " + json.dumps({**call_schema(fmt, offered), **ONE_SPACE})
+        lazy = LazyCall(fmt.open, body, fmt.close, parallel)
+    return ToolPlan(messages, passed, read_as, grammar, lazy)
 
 
 def render_tools(
@@ -206,6 +227,16 @@ def forcing_grammar(fmt: ToolFormat, tools: Sequence[Mapping[str, Any]], name: s
     reply (its <|call|> ends the generation): always one."""
     if fmt.name == "harmony":
         return _harmony_grammar(tools, name)
+    body = "%json " + json.dumps({**call_schema(fmt, tools, name), **NO_WHITESPACE})
+    if fmt.open is not None:
+        body = f"{json.dumps(fmt.open + chr(10))} {body} {json.dumps(chr(10) + fmt.close)}"
+    sep = '"\\n"' if fmt.open is not None else '";"'
+    return f"start: call ({sep} call)*\ncall: {body}\n" if parallel else f"start: call\ncall: {body}\n"
+
+
+def call_schema(fmt: ToolFormat, tools: Sequence[Mapping[str, Any]], name: str | None = None) -> dict:
+    """The JSON schema of a call object in `fmt`: `{"name": <a tool's name>, <arguments key>: <its parameters>}`,
+    of `name` or of any tool."""
     schemas = []
     for tool in tools:
         fn = tool["function"]
@@ -215,12 +246,7 @@ def forcing_grammar(fmt: ToolFormat, tools: Sequence[Mapping[str, Any]], name: s
         props = {"name": {"const": fn["name"]}, fmt.arguments_key: params}
         required = ["name", fmt.arguments_key]
         schemas.append({"type": "object", "properties": props, "required": required, "additionalProperties": False})
-    schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-    body = "%json " + json.dumps({**schema, **NO_WHITESPACE})
-    if fmt.open is not None:
-        body = f"{json.dumps(fmt.open + chr(10))} {body} {json.dumps(chr(10) + fmt.close)}"
-    sep = '"\\n"' if fmt.open is not None else '";"'
-    return f"start: call ({sep} call)*\ncall: {body}\n" if parallel else f"start: call\ncall: {body}\n"
+    return schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
 
 
 def _harmony_grammar(tools: Sequence[Mapping[str, Any]], name: str | None) -> str:
@@ -247,121 +273,6 @@ def structured(fmt: ToolFormat | None, spec: tuple[str, Any] | None) -> tuple[st
     return "lark", f'start: <|channel|> "final" (" "? <|constrain|> "json")? <|message|> %json {body}\n'
 
 
-@dataclass(frozen=True)
-class ToolCall:
-    name: str
-    arguments: str  # a JSON object's text, as OpenAI sends it
-    id: str
-
-    def as_openai(self, index: int | None = None) -> dict:
-        out = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
-        return out if index is None else {"index": index, **out}
-
-
-def _to_call(obj: Any, fmt: ToolFormat) -> ToolCall | None:
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get(fmt.arguments_key, obj.get("arguments", obj.get("parameters")))
-    if not isinstance(args, dict):
-        return None
-    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False), f"call_{uuid.uuid4().hex[:24]}")
-
-
-class ToolCallReader:
-    """Reads a reply as it streams: `feed(text)` and `close()` return the pieces it can release, each a
-    string of content or a `ToolCall`. Text that may begin a call is held until it is known; a call that does
-    not parse is released as the text it was."""
-
-    def __init__(self, fmt: ToolFormat):
-        self.fmt = fmt
-        self.buffer = ""
-        self.calls = 0  # calls read so far
-        self.calls_sent = 0  # of which streamed (the index of the next tool-call delta)
-        self.whole = fmt.open is None  # Llama 3: a reply that starts as JSON is held to the end
-        self.holding_all = False
-
-    def feed(self, text: str, special: bool | None = None) -> list[str | ToolCall]:
-        """The pieces `text` completes (`special` is HarmonyReader's; these formats are read from the text)."""
-        self.buffer += text
-        return self._release(final=False)
-
-    def close(self) -> list[str | ToolCall]:
-        return self._release(final=True)
-
-    def _release(self, final: bool) -> list[str | ToolCall]:
-        return self._whole_reply(final) if self.whole else self._tagged(final)
-
-    def _tagged(self, final: bool) -> list[str | ToolCall]:
-        fmt, out = self.fmt, []
-        while True:
-            start = self.buffer.find(fmt.open)
-            if start < 0:
-                keep = 0 if final else partial_suffix(self.buffer, fmt.open)
-                out.append(self.buffer[: len(self.buffer) - keep])
-                self.buffer = self.buffer[len(self.buffer) - keep :]
-                break
-            end = self.buffer.find(fmt.close, start)
-            if end < 0 and not final:
-                out.append(self.buffer[:start])
-                self.buffer = self.buffer[start:]
-                break
-            inner = self.buffer[start + len(fmt.open) : end if end >= 0 else None]
-            call = _to_call(_json(inner), fmt)
-            stop = len(self.buffer) if end < 0 else end + len(fmt.close)
-            out += [self.buffer[:start], call if call else self.buffer[start:stop]]
-            self.calls += call is not None
-            self.buffer = self.buffer[stop:]
-        return [p for p in out if p]
-
-    def _whole_reply(self, final: bool) -> list[str | ToolCall]:
-        if not self.holding_all:
-            head = self.buffer.lstrip()
-            prefix = self.fmt.prefix
-            if head.startswith("{") or (prefix and head.startswith(prefix)):
-                self.holding_all = True  # a call, or text that looks like one: known at the end
-            elif not final and (not head or (prefix and prefix.startswith(head))):
-                return []  # too short to tell yet
-            else:
-                self.whole = False  # plain content: released as it comes, from now on
-                self.fmt = _CONTENT_ONLY
-                return self._tagged(final)
-        if not final:
-            return []
-        text, self.buffer = self.buffer, ""
-        body = text.strip().removeprefix(self.fmt.prefix) if self.fmt.prefix else text.strip()
-        calls = [_to_call(obj, self.fmt) for obj in _json_sequence(body)]
-        if calls and all(calls):
-            self.calls += len(calls)
-            return calls
-        return [text] if text else []
-
-
-# a reply that turned out to be plain text: `_tagged` with a tag no text contains releases everything
-_CONTENT_ONLY = ToolFormat("content", "\x00<no call>", "\x00", "arguments")
-
-
-def _json(text: str) -> Any:
-    try:
-        return json.loads(text.strip())
-    except (json.JSONDecodeError, ValueError):
-        return None
-
-
-def _json_sequence(text: str) -> list[Any]:
-    """The JSON values of `text` written one after another, `;` or whitespace between (Llama 3's parallel
-    calls); [None] when something else is in it."""
-    decoder, out, pos = json.JSONDecoder(), [], 0
-    while pos < len(text):
-        try:
-            value, pos = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError:
-            return [None]
-        out.append(value)
-        while pos < len(text) and text[pos] in "; \t\r\n":
-            pos += 1
-    return out
-
-
 def reader(fmt: ToolFormat) -> ToolCallReader | HarmonyReader:
     """A fresh reader of one reply in `fmt`."""
     return HarmonyReader(fmt.calls) if fmt.name == "harmony" else ToolCallReader(fmt)
@@ -369,14 +280,14 @@ def reader(fmt: ToolFormat) -> ToolCallReader | HarmonyReader:
 
 def reply(fmt: ToolFormat, text: str | list[tuple[str, bool]], finish: str) -> tuple[dict, str]:
     """(the assistant message of a whole reply read in `fmt`, its finish reason: "tool_calls" when it calls).
-    `text`: the reply, or its (text, is a special token's) pieces as the scheduler reported them."""
+    `text`: the reply, or its (text, is a special token's) pieces as the scheduler reported them. The reader is
+    the streaming one, so a streamed reply's deltas add up to this message."""
     r = reader(fmt)
     if isinstance(text, str):
         pieces = [*r.feed(text), *r.close()]
     else:
         pieces = [p for t, special in text for p in r.feed(t, special if fmt.specials else None)] + r.close()
-    content, reasoning, calls = merge([p for p in pieces if not isinstance(p, ToolCall)])
-    calls = [p.as_openai() for p in pieces if isinstance(p, ToolCall)] + calls
+    content, reasoning, calls = merge(pieces)
     message = {"role": "assistant", "content": content}
     if reasoning:
         message["reasoning_content"] = reasoning
@@ -386,13 +297,11 @@ def reply(fmt: ToolFormat, text: str | list[tuple[str, bool]], finish: str) -> t
     return message, finish
 
 
-def delta(piece: str | ToolCall | Reasoning | CallDelta, r: ToolCallReader | HarmonyReader) -> dict:
-    """A streamed piece as OpenAI's chunk delta (a whole Hermes / Llama 3 call is one tool-call delta)."""
+def delta(piece: str | Reasoning | CallDelta) -> dict:
+    """A streamed piece as OpenAI's chunk delta: content, reasoning, or a piece of a tool call (the first of a
+    call names it, the others add argument text; each carries its call's index)."""
     if isinstance(piece, str):
         return {"content": piece}
     if isinstance(piece, Reasoning):
         return {"reasoning_content": piece.text}
-    if isinstance(piece, CallDelta):
-        return {"tool_calls": [piece.as_openai()]}
-    r.calls_sent += 1
-    return {"tool_calls": [piece.as_openai(index=r.calls_sent - 1)]}
+    return {"tool_calls": [piece.as_openai()]}
