@@ -1,7 +1,12 @@
-"""The grid types' tiled kernel (T >= 8 activation rows, `ggufpy.quants.x86.tiled`) as LLVM IR: each weight row
-decoded once into an L1 scratch, then eight activation rows at a time against it.
+"""The grid types' tiled kernel (T >= 8 activation rows, `ggufpy.quants.x86.tiled`) as LLVM IR.
 
     grid_tiles(name)(w, r, ab, adt, T, nb, grid, signs, scratch, out)    out[t, r] for every t < T
+
+Weight matrices of 8 rows or more run `int8grid_gemm`: the call for a row r with r % 8 == 0 computes rows
+r..r+8 (the last group starts at rows - 8, recomputing a few rows, the same bits) with lanes = weight rows, the
+others return at once; the drivers (`int8grid.py`) call every row, 16 to a parallel task, so each group runs
+once. Under 8 rows, each row runs alone here: decoded once into an L1 scratch, then eight activation rows at a
+time against it.
 
 Per super-block b of weight row r, the tiled kernel's integer s1 = sum_e sc_e * v_e * q_e is exact, so any exact
 way of computing it gives the same bits. `int8ir_iqgrid` follows ggml's vec_dot (`vpsignb` of the activations,
@@ -20,21 +25,21 @@ f32 epilogue of `quants.x86.tiled` runs on eight rows at once: p = fl(float(s1) 
 from 0, one super-block at a time in order; y stays in a register across the row's blocks. A last group that
 would overrun T starts at T - 8 (recomputing a few rows, the same bits).
 
-Scratch per weight row (u8, nb * `SCRATCH_PER_BLOCK`): v (nb, 8, 32) i8 | the `vpmaddwd` scales (nb, 8, 16) i16 |
-corr (nb,) i32 | d_w * c (nb,) f32. The drivers: `int8grid.py`.
-"""
+Scratch (u8, nb * `SCRATCH_PER_BLOCK`, sized for `int8grid_gemm`'s group); one row uses v (nb, 8, 32) i8 | the
+`vpmaddwd` scales (nb, 8, 16) i16 | corr (nb,) i32 | d_w * c (nb,) f32 of it."""
 
 from __future__ import annotations
 
 import numpy as np
 from llvmlite import ir
-from numba.core import types
+from numba.core import cgutils, types
 from numba.extending import intrinsic
 
+from . import int8grid_gemm
 from ._numba import jit
+from .int8grid_gemm import group_tiles, signed_values
 from .int8ir import (
     F32,
-    I8,
     I32,
     I64,
     V8F32,
@@ -48,7 +53,6 @@ from .int8ir import (
     _loop,
     _madd,
     _maddubs,
-    _psign,
     _row,
     _shuffle,
     _splat,
@@ -58,7 +62,8 @@ from .int8ir_iqgrid import TYPES, _chunks, _half, _iq1_m_d, _table
 __all__ = ["SCRATCH_PER_BLOCK", "activation_tiles", "grid_tiles"]
 
 ROWS = 8  # activation rows per group: eight <8 x i32> accumulators, one <8 x f32> of outputs
-SCRATCH_PER_BLOCK = 256 + 256 + 8  # scratch bytes per super-block of the weight row
+# scratch bytes per super-block: a decoded group of eight weight rows (`int8grid_gemm`), or one row here
+SCRATCH_PER_BLOCK = max(int8grid_gemm.SCRATCH_PER_BLOCK, 256 + 256 + 8)
 
 
 @jit
@@ -73,16 +78,6 @@ def activation_tiles(aq, ad):
     return ab, np.ascontiguousarray(ad.T)
 
 
-def _signed_values(builder, name, u, s):
-    """One sub-block's signed weight values <32 x i8> from `int8ir_iqgrid`'s decode (u, s)."""
-    if name == "IQ1_S":  # s = +-(2 ls + 1): its sign is the delta's
-        one = builder.select(builder.icmp_signed("<", s, ir.Constant(I64, 0)), ir.Constant(I8, -1), ir.Constant(I8, 1))
-        return builder.add(builder.shl(u, _splat(V32I8, 3)), _broadcast(builder, one, V32I8))
-    if name == "IQ1_M":  # s = the +-1 delta bytes
-        return builder.add(builder.shl(u, _splat(V32I8, 3)), s)
-    return _psign(builder, u, s)  # grid bytes (0..62) with the sign bytes' +-1
-
-
 def _decode_row(builder, name, wrow, nb, gtab, stab, scratch):
     """Every super-block of the weight row into the scratch."""
     size, c = TYPES[name]
@@ -94,7 +89,7 @@ def _decode_row(builder, name, wrow, nb, gtab, stab, scratch):
         blk = builder.gep(wrow, [builder.mul(b, ir.Constant(I64, size))])
         corr = ir.Constant(V8I32, [0] * 8)
         for ib, (u, s, scale) in enumerate(_chunks(builder, name, blk, gtab, stab)):
-            v = _signed_values(builder, name, u, s)
+            v = signed_values(builder, name, u, s)
             at = builder.add(builder.mul(b, ir.Constant(I64, 256)), ir.Constant(I64, 32 * ib))
             builder.store(v, builder.bitcast(builder.gep(scratch, [at]), V32I8.as_pointer()), align=1)
             at = builder.add(sc_at, at)
@@ -195,8 +190,18 @@ def grid_tiles(name: str):
             gtab = _table(context, builder, signature.args[6], grid_)
             stab = _table(context, builder, signature.args[7], signs_)
             buf = _table(context, builder, signature.args[8], scratch_)
-            _decode_row(builder, name, wrow, nb_, gtab, stab, buf)
-            _tiles(context, builder, signature, args, name, buf)
+            rows = cgutils.unpack_tuple(builder, context.make_array(signature.args[0])(context, builder, w_).shape)[0]
+            eight = ir.Constant(I64, int8grid_gemm.ROWS)
+            with builder.if_else(builder.icmp_signed("<", rows, eight)) as (few, groups):
+                with few:  # under eight weight rows: row r alone
+                    _decode_row(builder, name, wrow, nb_, gtab, stab, buf)
+                    _tiles(context, builder, signature, args, name, buf)
+                with groups:  # rows r..r+8 when r % 8 == 0 (the last group starts at rows - 8); other r: nothing
+                    start = builder.icmp_signed("==", builder.srem(r_, eight), ir.Constant(I64, 0))
+                    with builder.if_then(start):
+                        r0 = builder.sub(rows, eight)
+                        r0 = builder.select(builder.icmp_signed(">", r_, r0), r0, r_)
+                        group_tiles(context, builder, signature, args, name, gtab, stab, buf, r0)
             return context.get_dummy_value()
 
         return sig, codegen

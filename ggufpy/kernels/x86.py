@@ -24,7 +24,7 @@ import numpy as np
 from ..quants.x86.attention import n_kv_cells
 from ._numba import get_threads, half_to_float, jit, prange, use_threads
 from .glue_ggml import _libm_expf, round_f16, round_f16_array, v_expf
-from .x86_decode import attention_one, v_expf_256
+from .x86_decode import _soft_max_row, attention_one, v_expf_256
 
 __all__ = ["ISA_LANES", "attention", "silu_rows", "v_expf_256"]
 
@@ -88,21 +88,26 @@ def _hsum(x, lanes):
 
 
 @jit(inline=True)
-def _accumulate(wt, a, n, width, acc, lo, hi):
-    """acc[i, j] = sum over l = 0, width, 2 width, ... < n of wt[l + i, j] * a[l + i], in order of l, where
-    a[l] = 0 outside lo <= l < hi: those steps add +-0 to accumulators that are never -0, and are skipped."""
-    acc[:width] = 0.0
+def _accumulate(wt, c0, cols, a, n, width, acc, lo, hi):
+    """acc[i, j] = sum over l = 0, width, 2 width, ... < n of wt[l + i, c0 + j] * a[l + i] for j < cols, in order
+    of l, where a[l] = 0 outside lo <= l < hi: those steps add +-0 to accumulators that are never -0, and are
+    skipped. The loop over j runs on 1-D row slices (unit stride known: it vectorizes; on 2-D column slices of
+    wt and acc, with run-time strides, it stayed scalar)."""
+    for i in range(width):
+        acc[i, :cols] = 0.0
     for l in range(lo - lo % width, min(n, hi), width):
         for i in range(width):
             ai = a[l + i]
-            for j in range(acc.shape[1]):
-                acc[i, j] += wt[l + i, j] * ai
+            src = wt[l + i, c0 : c0 + cols]
+            dst = acc[i, :cols]
+            for j in range(cols):
+                dst[j] += src[j] * ai
 
 
 @jit(inline=True)
-def _hsum_into(acc, lanes, out):
-    """out[j] = tinyBLAS's `hsum` of acc[:lanes, j]: `hsum_float_8` (AVX2) or `_mm512_reduce_add_ps`."""
-    for j in range(out.size):
+def _hsum_into(acc, lanes, cols, out):
+    """out[j] = tinyBLAS's `hsum` of acc[:lanes, j] (j < cols): `hsum_float_8` (AVX2) or `_mm512_reduce_add_ps`."""
+    for j in range(cols):
         if lanes == 8:
             out[j] = ((acc[4, j] + acc[0, j]) + (acc[6, j] + acc[2, j])) + (
                 (acc[5, j] + acc[1, j]) + (acc[7, j] + acc[3, j])
@@ -116,39 +121,40 @@ def _hsum_into(acc, lanes, out):
 
 
 @jit(inline=True)
-def _vec_dot_into(wt, a, n, lanes, acc, out, lo, hi):
-    """out[j] = `ggml_vec_dot_f16` of column j of wt (n, J) with a (n,): four registers over steps of 4 * lanes,
-    (r0 + r2) + (r1 + r3), the reduce (`hadd_reduce_8` on AVX2), then the n % (4 * lanes) leftovers in double."""
+def _vec_dot_into(wt, c0, cols, a, n, lanes, acc, out, lo, hi):
+    """out[j] = `ggml_vec_dot_f16` of column c0 + j of wt (n, .) with a (n,): four registers over steps of
+    4 * lanes, (r0 + r2) + (r1 + r3), the reduce (`hadd_reduce_8` on AVX2), then the n % (4 * lanes) leftovers
+    in double."""
     step = 4 * lanes
     main = n - n % step
-    _accumulate(wt, a, main, step, acc, lo, hi)
+    _accumulate(wt, c0, cols, a, main, step, acc, lo, hi)
     for i in range(lanes):
-        for j in range(out.size):
+        for j in range(cols):
             acc[i, j] = (acc[i, j] + acc[2 * lanes + i, j]) + (acc[lanes + i, j] + acc[3 * lanes + i, j])
     if lanes == 8:
-        for j in range(out.size):
+        for j in range(cols):
             out[j] = ((acc[0, j] + acc[4, j]) + (acc[1, j] + acc[5, j])) + (
                 (acc[2, j] + acc[6, j]) + (acc[3, j] + acc[7, j])
             )
     else:
-        _hsum_into(acc, lanes, out)
+        _hsum_into(acc, lanes, cols, out)
     if main < n:
-        for j in range(out.size):
+        for j in range(cols):
             s = np.float64(out[j])
             for l in range(main, n):
-                s += np.float64(wt[l, j] * a[l])
+                s += np.float64(wt[l, c0 + j] * a[l])
             out[j] = np.float32(s)
 
 
 @jit(inline=True)
-def _f16_products(wt, a, n, lanes, tinyblas, acc, out, lo, hi):
-    """out[j] = the F16 mul_mat's output j for the f16 rows wt[:, j] (n values down the column) and a (n,),
-    whose values outside lo <= l < hi are 0."""
+def _f16_products(wt, c0, cols, a, n, lanes, tinyblas, acc, out, lo, hi):
+    """out[j] = the F16 mul_mat's output j < cols for the f16 rows wt[:, c0 + j] (n values down the column) and
+    a (n,), whose values outside lo <= l < hi are 0."""
     if tinyblas:
-        _accumulate(wt, a, n, lanes, acc, lo, hi)
-        _hsum_into(acc, lanes, out)
+        _accumulate(wt, c0, cols, a, n, lanes, acc, lo, hi)
+        _hsum_into(acc, lanes, cols, out)
     else:
-        _vec_dot_into(wt, a, n, lanes, acc, out, lo, hi)
+        _vec_dot_into(wt, c0, cols, a, n, lanes, acc, out, lo, hi)
 
 
 # -- attention (`quants.x86.attention`: mul_mat, soft_max_ext, mul_mat) --------------------------------------------
@@ -157,34 +163,12 @@ _KEYS = 256  # outputs of the KQ product computed together: accumulators (4 * la
 
 
 @jit(inline=True)
-def _soft_max(w, lo, hi, scale, lanes, e8, sinks, h):
-    """w (n_kv,): the scores of keys lo <= j < hi in, fp16(soft_max_ext(w, mask, scale)) out; e8: scratch.
+def _soft_max(w, lo, hi, scale, lanes, sinks, h):
+    """w (n_kv,): the scores of keys lo <= j < hi in, fp16(soft_max_ext(w, mask, scale)) out, zeros elsewhere:
+    `x86_decode._soft_max_row` (the same steps as `quants.x86.attention`, as branch-free lanes that vectorize).
     sinks: each head's sink logit (H,), or none (0,); h: this row's head."""
-    n_kv = w.size
-    # Only the blocks of `lanes` holding keys lo..hi-1 are computed: every other block is all masked, its exps
-    # are 0 and add +0.0 to the double sum, so skipping it changes nothing; where the products read such
-    # probabilities (their lane blocks of 4 * lanes), they are set to the 0 they would be.
-    b_lo, b_hi = lo - lo % lanes, min(n_kv, hi + (-hi) % lanes)
-    mx = np.float32(-np.inf)
-    for j in range(b_lo, b_hi):
-        w[j] = w[j] * scale if lo <= j < hi else -np.inf  # ggml_vec_scale_f32, then + mask (0 or -inf)
-        mx = max(mx, w[j])
-    if sinks.size:  # ops.cpp soft_max with src[2] (`ggml_soft_max_add_sinks`): max = MAX(max, sk[h])
-        mx = mx if mx > sinks[h] else sinks[h]
-    total = np.float64(0.0)
-    for b0 in range(b_lo, b_hi, lanes):  # ggml_vec_soft_max_f32: a block's exps, its hsum, the double sum
-        for i in range(lanes):
-            w[b0 + i] = _v_expf(w[b0 + i] - mx, lanes == 16)
-            e8[i] = w[b0 + i]
-        total += np.float64(_hsum(e8, lanes))
-    if sinks.size:  # then sum += (ggml_float) expf(sk[h] - max): the f32 difference, the C library's expf
-        total += np.float64(_libm_expf(sinks[h] - mx))
-    inv = np.float32(1.0 / total)
-    for j in range(b_lo, b_hi):
-        w[j] = round_f16(w[j] * inv)  # kq_soft_max, converted to F16's vec_dot type
-    step = 4 * lanes
-    w[lo - lo % step : b_lo] = 0.0
-    w[b_hi : min(n_kv, hi + (-hi) % step)] = 0.0
+    has_sink = sinks.size > 0
+    _soft_max_row(w, 0, lo, hi, w.size, scale, lanes, sinks[h] if has_sink else _f32(0.0), has_sink)
 
 
 @jit(parallel=True)
@@ -209,9 +193,9 @@ def _attention(q16, kt, vc, start, S, scale, window, sinks, lanes, nt, out):
         for j0 in range(lo - lo % _KEYS, hi, _KEYS):  # kq = mul_mat(K, fp16(q)), a block of keys at a time
             # each output is its own column's sum, so the masked keys past hi (-inf below) are not computed
             j1 = min(j0 + _KEYS, hi)
-            _f16_products(kt[g, :, j0:j1], q16[t, h], E, lanes, tb_kq, acc[:, : j1 - j0], w[j0:j1], 0, E)
-        _soft_max(w, lo, hi, scale, lanes, acc[:, 0], sinks, h)
-        _f16_products(vc[g], w, n_kv, lanes, tb_kqv, acc[:, :E], out[t, h], lo, hi)  # kqv = mul_mat(V^T, fp16(p))
+            _f16_products(kt[g], j0, j1 - j0, q16[t, h], E, lanes, tb_kq, acc, w[j0:j1], 0, E)
+        _soft_max(w, lo, hi, scale, lanes, sinks, h)
+        _f16_products(vc[g], 0, E, w, n_kv, lanes, tb_kqv, acc, out[t, h], lo, hi)  # kqv = mul_mat(V^T, fp16(p))
     use_threads(previous)
 
 
