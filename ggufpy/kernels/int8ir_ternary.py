@@ -20,7 +20,9 @@ Every 16-bit partial sum is exact: |q| <= 3 (a TQ2_0 code 3, which no quantizer 
 intrinsic takes (w u8 (rows, row_bytes) C, r, aq int8 (T, C) C, t, ad f32 (T, nb) ...): weight row r as stored
 in the GGUF file, activation row t quantized by `int8dot.quantize`. From two activation rows on, TQ1_0's codes
 (base-3 digits, the costly decode) are unpacked once per weight row into a scratch row of bytes; the integer
-sums and so the results are the same.
+sums and so the results are the same. One activation row (decode) runs `int8ir_ternary_rows`' intrinsics: TQ2_0
+two and Q1_0 four weight rows per call, prefetched, each row's steps the one-row intrinsic's (the code decoders
+live there too).
 
     KERNELS[type] = (activation format, block bytes, elements per block, kernel)   # merged into int8lowbit's
 """
@@ -40,13 +42,10 @@ from .int8ir import (
     F32T,
     I8,
     I8T,
-    I16,
     I16T,
-    I32,
     I64,
     U8,
     V8F32,
-    V16I8,
     V16I16,
     V32I8,
     _broadcast,
@@ -63,6 +62,10 @@ from .int8ir import (
     _signature,
     _splat,
 )
+from .int8ir_ternary_rows import Q1_0_ROWS, TQ2_0_ROWS, q1_0_rows, tq1_0_codes, tq2_0_codes, tq_rows
+from .int8ir_tq2_gemm import ROWS as TQ2_GROUP
+from .int8ir_tq2_gemm import SCRATCH_PER_BLOCK as TQ2_SCRATCH
+from .int8ir_tq2_gemm import tq2_0_group
 
 __all__ = ["KERNELS", "q1_0_dot", "q1_0_unpack", "tq1_0_dot", "tq1_0_unpack", "tq2_0_dot"]
 
@@ -70,62 +73,8 @@ Q8_0, Q8_K = "Q8_0", "Q8_K"  # activation formats, as int8dot names them
 ROWS_PER_TASK = 16  # weight rows per parallel task of the unpacked TQ1_0 / Q1_0 kernels (one scratch row each)
 
 
-# -- the ternary codes ------------------------------------------------------------------------------------------------
-def _powers3(builder, x) -> list:
-    """[x, 3x, 9x, 27x, 81x] mod 256 per byte, as ggml's AVX2 TQ1_0 kernel forms them: 3x = x + x + x and
-    9v = (8v & -8) + v, 8v shifted in 16-bit lanes (as bytes, LLVM would fold the adds into a byte multiply,
-    which x86 lacks and it emulates in 5 instructions)."""
-    ty = x.type
-    wide = ir.VectorType(I16, ty.count // 2)
-
-    def nine(v):
-        v8 = builder.bitcast(builder.shl(builder.bitcast(v, wide), _splat(wide, 3)), ty)
-        return builder.add(builder.and_(v8, _splat(ty, 0xF8)), v)
-
-    x3 = builder.add(x, builder.add(x, x))
-    x9 = nine(x)
-    return [x, x3, x9, nine(x3), nine(x9)]
-
-
-def _digit(builder, m):
-    """Top base-3 digit of the fixed-point bytes m, (3 m) >> 8 (`lowbit._trits`): [m > 85] + [m > 170]. (ggml's
-    `_mm256_avg_epu8` form of it is one instruction shorter, but LLVM rewrites the average into 16-bit steps.)"""
-    ty = m.type
-    one, zero = _splat(ty, 1), _splat(ty, 0)
-    d1 = builder.select(builder.icmp_unsigned(">", m, _splat(ty, 85)), one, zero)
-    d2 = builder.select(builder.icmp_unsigned(">", m, _splat(ty, 170)), one, zero)
-    return builder.add(d1, d2)
-
-
-def _tq1_0_codes(builder, blk) -> list:
-    """block_tq1_0 (`lowbit.parts_tq1_0`'s layout) -> q of elements 32c..32c+31, c = 0..7, as <32 x i8>.
-
-    qs[0:32]: digit k -> chunk k; qs[32:48]: digit k -> elements 160 + 16k + m (chunks 5, 6 and the first half
-    of 7); qh[0:4]: digit k of byte m -> element 240 + 4k + m (the second half of chunk 7)."""
-    qs = _load(builder, blk, 0, V32I8)
-    codes = [_digit(builder, m) for m in _powers3(builder, qs)]
-    x = _load(builder, blk, 32, V16I8)
-    x3 = _powers3(builder, x)
-    qh = builder.bitcast(_load(builder, blk, 48, I32), ir.VectorType(I8, 4))
-    qh16 = _shuffle(builder, qh, qh, [m for _ in range(4) for m in range(4)])
-    qh16 = builder.mul(qh16, ir.Constant(V16I8, [3**k for k in range(4) for _ in range(4)]))
-    for lo, hi in ((x3[0], x3[1]), (x3[2], x3[3]), (x3[4], qh16)):
-        codes.append(_digit(builder, _shuffle(builder, lo, hi, list(range(32)))))
-    return codes
-
-
-def _tq2_0_codes(builder, blk) -> list:
-    """block_tq2_0: bits 2l..2l+1 of qs[32h + m] -> element 128h + 32l + m; chunk 4h + l, as <32 x i8>."""
-    codes = []
-    for h in range(2):
-        qs = _load(builder, blk, 32 * h, V32I8)
-        for sh in range(4):
-            codes.append(builder.and_(builder.lshr(qs, _splat(V32I8, 2 * sh)), _splat(V32I8, 3)))
-    return codes
-
-
 # type -> (block bytes, offset of the fp16 d, block -> the 8 code vectors)
-_TQ = {"tq1_0": (54, 52, _tq1_0_codes), "tq2_0": (66, 64, _tq2_0_codes)}
+_TQ = {"tq1_0": (54, 52, tq1_0_codes), "tq2_0": (66, 64, tq2_0_codes)}
 
 
 def _tq_dot(kind: str, unpacked: bool = False):
@@ -221,7 +170,7 @@ def _unpacker(block_bytes: int, vectors_of):
 tq1_0_dot = _tq_dot("tq1_0")
 tq2_0_dot = _tq_dot("tq2_0")
 _tq1_0_unpacked_dot = _tq_dot("tq1_0", unpacked=True)
-tq1_0_unpack = _unpacker(54, _tq1_0_codes)  # (w, r, codes u8 (1, nb*256), nb)
+tq1_0_unpack = _unpacker(54, tq1_0_codes)  # (w, r, codes u8 (1, nb*256), nb)
 
 
 # -- Q1_0 -------------------------------------------------------------------------------------------------------------
@@ -317,25 +266,53 @@ def _mv_tq1_0(nt, w, aq, ad, bsums, out):
     use_threads(previous)
 
 
+_TQ2_0_ROWS = tq_rows("tq2_0", TQ2_0_ROWS)
+_Q1_0_ROWS = q1_0_rows(Q1_0_ROWS)
+
+
 @jit(parallel=True)
 def _mv_tq2_0(nt, w, aq, ad, bsums, out):
+    """One activation row: TQ2_0_ROWS weight rows per call (`int8ir_ternary_rows.tq_rows`), the rest one by one;
+    from 4 activation rows, eight-row groups with lanes = rows (`int8ir_tq2_gemm`)."""
     previous = use_threads(nt)
+    T = aq.shape[0]
     nb = aq.shape[1] // 256
-    for r in prange(w.shape[0]):
-        for t in range(aq.shape[0]):
-            out[t, r] = tq2_0_dot(w, r, aq, t, ad, bsums, nb)
+    rows = w.shape[0]
+    if T == 1:
+        R = TQ2_0_ROWS
+        for g in prange(rows // R):
+            y = _TQ2_0_ROWS(w, R * g, aq, 0, ad, bsums, nb)
+            for i in range(R):
+                out[0, R * g + i] = y[i]
+        for r in range(rows - rows % R, rows):
+            out[0, r] = tq2_0_dot(w, r, aq, 0, ad, bsums, nb)
+    elif T >= 4 and rows >= TQ2_GROUP:  # lanes = weight rows (int8ir_tq2_gemm): from 4 activation rows it wins
+        for g in prange((rows + TQ2_GROUP - 1) // TQ2_GROUP):
+            scratch = np.empty(nb * TQ2_SCRATCH, np.uint8)
+            # the last group starts at rows - 8: a few rows computed twice, with the same bits
+            tq2_0_group(w, min(TQ2_GROUP * g, rows - TQ2_GROUP), aq, ad, bsums, nb, T, scratch, out)
+    else:
+        for r in prange(rows):
+            for t in range(T):
+                out[t, r] = tq2_0_dot(w, r, aq, t, ad, bsums, nb)
     use_threads(previous)
 
 
 @jit(parallel=True)
 def _mv_q1_0(nt, w, aq, ad, s, asum, out):
-    """From 2 activation rows, each weight row's signs are unpacked once (`q1_0_unpack`), 16 rows per task."""
+    """One activation row: Q1_0_ROWS weight rows per call (`int8ir_ternary_rows.q1_0_rows`), the rest one by
+    one. From 2 activation rows, each weight row's signs are unpacked once (`q1_0_unpack`), 16 rows per task."""
     previous = use_threads(nt)
     T = aq.shape[0]
     nb = aq.shape[1] // 128
     rows = w.shape[0]
     if T == 1:
-        for r in prange(rows):
+        R = Q1_0_ROWS
+        for g in prange(rows // R):
+            y = _Q1_0_ROWS(w, R * g, aq, 0, ad, nb)
+            for i in range(R):
+                out[0, R * g + i] = y[i]
+        for r in range(rows - rows % R, rows):
             out[0, r] = q1_0_dot(w, r, aq, 0, ad, nb)
     else:
         for task in prange((rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
