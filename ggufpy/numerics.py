@@ -54,6 +54,7 @@ def rope_angles_ggml(
     freq_scale: float = 1.0,
     freq_factors: np.ndarray | None = None,
     ext: ops.RopeExt | None = None,
+    cos_sin: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """cos and sin (T, R/2) as ggml computes them (ggml-cpu/ops.cpp `ggml_rope_cache_init`, `rope_yarn`).
 
@@ -61,19 +62,20 @@ def rope_angles_ggml(
     multiplication, divided by freq_factors[i], times freq_scale; then cosf/sinf. A float64 theta^(-2i/R)
     differs from this by up to ~1e-5 rad at position 100. With `ext` (YaRN, attention factor): the
     interpolated and extrapolated angles mixed per pair, and cos, sin times mscale, in rope_yarn's f32 steps.
+    `cos_sin(angles)`: the C library's cosf and sinf of every element (default: called one by one from Python;
+    a backend passes a compiled form, `glue_ggml.cos_sin`).
     """
+    cos_sin = cos_sin or _libm_cos_sin
     exponent = np.float32(-2.0) / np.float32(rope_dim)
     theta_scale = np.float32(np.float64(np.float32(theta)) ** np.float64(exponent))  # powf, correctly rounded
     t = np.asarray(positions).astype(np.float32)  # (T,)
-    angles = np.empty((t.shape[0], rope_dim // 2), np.float32)  # (T, R/2)
-    for i in range(rope_dim // 2):
-        angles[:, i] = t
-        t = t * theta_scale
+    angles = np.full((t.shape[0], rope_dim // 2), theta_scale, np.float32)  # (T, R/2)
+    angles[:, 0] = t
+    angles = np.multiply.accumulate(angles, axis=1, dtype=np.float32)  # pos, pos*s, (pos*s)*s, ... one by one in f32
     if freq_factors is not None:
         angles = angles / np.asarray(freq_factors, np.float32)
     if ext is None:
-        angles = np.float32(freq_scale) * angles
-        return _libm_f32("cosf", angles), _libm_f32("sinf", angles)
+        return cos_sin(np.float32(freq_scale) * angles)
     f32 = np.float32
     extrap, interp = angles, f32(freq_scale) * angles
     mscale = f32(ext.attn_factor)
@@ -84,7 +86,12 @@ def rope_angles_ggml(
         mscale = mscale * fma(f32(0.1), logf(f32(1) / f32(freq_scale)), f32(1))  # 1.0f + 0.1f * logf(1/fs)
     else:
         angles = interp
-    return _libm_f32("cosf", angles) * mscale, _libm_f32("sinf", angles) * mscale
+    cos, sin = cos_sin(angles)
+    return cos * mscale, sin * mscale
+
+
+def _libm_cos_sin(angles: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    return _libm_f32("cosf", angles), _libm_f32("sinf", angles)
 
 
 def logf(x) -> np.float32:

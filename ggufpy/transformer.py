@@ -269,7 +269,8 @@ class Model:
         key = (theta, freq_scale, ext, dims, freqs is None)
         if key not in cache:
             more = {} if ext is None else {"ext": ext}  # (plain RoPE calls any numerics' rope_angles as before)
-            parts = [self.numerics.rope_angles(p, dims, theta, freq_scale, freqs, **more) for p in positions]
+            angles = self.compiled.get(self.numerics.rope_angles, self.numerics.rope_angles)
+            parts = [angles(p, dims, theta, freq_scale, freqs, **more) for p in positions]
             cache[key] = tuple(np.concatenate(part) for part in zip(*parts, strict=True))
         return cache[key]
 

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ggufpy import kernels
-from ggufpy.numerics import rope_angles_ggml, rope_ggml
+from ggufpy.numerics import _libm_cos_sin, rope_angles_ggml, rope_ggml
 from ggufpy.quants.x86.simd import fma
 from ggufpy.quants.x86.unary import silu_rows, v_expf_512
 
@@ -221,3 +221,32 @@ def test_fixture_model_logits_match_the_numpy_llamacpp_reference(fixture):
     for i in (len(ids) - 2, len(ids) - 1):  # two decode steps
         last = model.forward(ids[i : i + 1], i, cache)
         np.testing.assert_allclose(last[0], ref[i], rtol=0, atol=atol)
+
+
+def test_rope_angles_with_compiled_cosf_sinf_are_the_c_librarys():
+    """The backend's compiled RoPE angles (`glue_ggml.cos_sin`: the C library's cosf/sinf in a compiled loop)
+    equal the reference's ctypes calls bit for bit, plain and with YaRN, at positions up to 128k."""
+    from ggufpy.kernels.backend import NumbaBackend
+    from ggufpy.ops import RopeExt
+
+    compiled = NumbaBackend.compiled[rope_angles_ggml]
+    positions = np.concatenate([np.arange(0, 300), np.arange(131000, 131072), [7, 7]])
+    freqs = np.random.default_rng(0).uniform(1.0, 8.0, 32).astype(np.float32)
+    for kwargs in (
+        {},
+        {"freq_scale": 0.25, "freq_factors": freqs},
+        {"freq_scale": 0.25, "ext": RopeExt(1.0, 1.0, 4.0, 20.0)},
+        {"ext": RopeExt(0.0, 0.7, 0.0, 0.0)},
+    ):
+        for dims, theta in ((64, 10000.0), (128, 1000000.0)):
+            if "freq_factors" in kwargs and dims != 64:
+                continue
+            want = rope_angles_ggml(positions, dims, theta, **kwargs)
+            got = compiled(positions, dims, theta, **kwargs)
+            for w, g in zip(want, got, strict=True):
+                assert g.dtype == np.float32 and np.array_equal(w.view(np.uint32), g.view(np.uint32)), kwargs
+    x = np.random.default_rng(1).uniform(-3e4, 3e4, 20000).astype(np.float32)
+    cos, sin = glue.cos_sin(x)
+    ref_cos, ref_sin = _libm_cos_sin(x)
+    assert np.array_equal(cos.view(np.uint32), ref_cos.view(np.uint32))
+    assert np.array_equal(sin.view(np.uint32), ref_sin.view(np.uint32))

@@ -25,7 +25,7 @@ import numpy as np
 
 from .. import moe, ops
 from ..constants import GGMLType
-from ..numerics import NUMERICS, Numerics, attention_x86, libm_expf, rope_ggml
+from ..numerics import NUMERICS, Numerics, attention_x86, libm_expf, rope_angles_ggml, rope_ggml
 from ..weights import ExpertTensor, QuantTensor
 from . import activations as act
 from . import experts, glue_ggml, int8dot, x86
@@ -419,6 +419,7 @@ class NumbaBackend(CompileAhead, ExpertProducts):
         NUMERICS["llamacpp-avx2"].activations["silu"]: functools.partial(x86.silu_rows, isa="avx2"),
         moe.softmax_ggml: experts.softmax_ggml,  # the router's softmax, same `isa` argument
         libm_expf: glue_ggml.expf_array,  # the C library's expf per element (swiglu_oai, sigmoid gates)
+        rope_angles_ggml: functools.partial(rope_angles_ggml, cos_sin=glue_ggml.cos_sin),  # cosf/sinf compiled
     }
 
     # -- weights -------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import numpy as np
 
 from ._numba import DISABLED, fma_f32, jit
 
-__all__ = ["expf_array", "rope_ggml", "round_f16", "round_f16_array", "silu_rows", "v_expf"]
+__all__ = ["cos_sin", "expf_array", "rope_ggml", "round_f16", "round_f16_array", "silu_rows", "v_expf"]
 
 _f32 = np.float32
 
@@ -164,6 +164,22 @@ else:
 def _expf_flat(x, out):
     for i in range(x.size):
         out[i] = _libm_expf(x[i])
+
+
+@jit
+def _cos_sin_flat(x, cos, sin):
+    for i in range(x.size):  # math.cos/sin of a float32: `llvm.cos.f32`, a call to the C library's cosf (sinf)
+        cos[i] = math.cos(np.float32(x[i]))
+        sin[i] = math.sin(np.float32(x[i]))
+
+
+def cos_sin(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`numerics.rope_angles_ggml`'s cosf and sinf of every element, compiled (f32 in, f32 out): ~64 ctypes
+    calls per token and layer kind before (0.2-0.3 ms a token)."""
+    x = np.ascontiguousarray(x, np.float32)
+    cos, sin = np.empty_like(x), np.empty_like(x)
+    _cos_sin_flat(x.reshape(-1), cos.reshape(-1), sin.reshape(-1))
+    return cos, sin
 
 
 def expf_array(x: np.ndarray) -> np.ndarray:
