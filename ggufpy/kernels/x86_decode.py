@@ -8,26 +8,31 @@ At T = 1 both F16 mul_mats are `ggml_vec_dot_f16` (ggml-cpu/vec.cpp; `llamafile_
     p      = fp16(soft_max_ext(kq, scale))    ggml_v_expf per lane block, (double) hsum per block, 1 / sum
     kqv[e] = vec_dot_f16(V^T[e], p)           the same over the cells: cell j feeds accumulator j % (4 lanes)
 
-The arithmetic is `x86._attention`'s, reordered only across independent values so that LLVM vectorizes it
-without reassociating any sum (no fastmath): the exps and the f16 roundings are branch-free lane functions
-(selects, not ifs) over a head's whole score row, the V accumulators are updated a cache row at a time and
-reduced with the E outputs innermost, and a task computes the dot products of its query heads (one KV group's,
-or one head when there are fewer groups than threads) from each K row while that row is in L1. A task's
-outputs do not depend on the thread count.
+The arithmetic is `x86._attention`'s, reordered only across independent values so that it vectorizes without
+reassociating any sum (no fastmath): the exps and the f16 roundings are branch-free lane functions (selects,
+not ifs) over a head's whole score row, and a task computes its query heads (one KV group's, or one head when
+there are fewer groups than threads) from each K and V row while that row is in L1. With E a multiple of 8 the
+two products are `x86_decode_ir`'s intrinsics: the K rows widened once per block of 64 keys for the task's
+heads, 8 keys' horizontal reduces done together with vector shuffles in ggml's pairing order, and the V
+accumulators of a lane block held in registers for up to 4 heads while the lane's cells stream by; other head
+sizes (and NUMBA_DISABLE_JIT) take the loops below. A task's outputs do not depend on the thread count.
 
-Measured (2026-12-02, one thread, CPU time, best of 5, load average 7-8): 16/4 heads of 64 over 140 keys
-307 -> 115 us a call (`x86._attention_one` before), 1000 keys 2159 -> 763 us; gpt-oss's 64/8 heads with sinks
-1344 -> 454 us (140 keys), 10906 -> 4447 us (1000). Of the 140-key call, the K products take ~60%, and 2/3 of
-that is their horizontal sums (the (r0 + r2) + (r1 + r3) step and the lane reduce: LLVM leaves them scalar);
-the V product ~20%, the softmax ~7%, the call and its setup ~8%.
+Measured (2026-12-02, AMD EPYC (AVX2), one thread, CPU time, best of 7, load average 2-4; A/B in one process):
+16/4 heads of 64, avx512 numerics (16 lanes): 140 keys 88 -> 32 us a call (2.8x), 500 keys 3.6x, 1000 keys
+608 -> 179 us (3.4x); avx2 (8 lanes) 3.9x-4.5x; 32/8 heads 2.8x (140) and 3.5x (1000); gpt-oss's 64/8 with
+sinks 2.9x (140, window 128) and 3.6x (1000 keys). Per token on types-TQ2_0-d1024-f2816-l8 (8 layers, decode
+at 128-160): 3.26 -> 2.74 ms. Of the 140-key call (16 lanes) about 9 us are the K products, 11 the V product,
+7 the softmax (its exps: LLVM vectorizes the lane functions poorly), 2 the setup. Before (the
+loops alone): K products ~60% (2/3 of it the horizontal sums, which LLVM leaves scalar), V ~20%, softmax 7%.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ._numba import fma_f32, half_to_float, jit, prange, use_threads
+from ._numba import DISABLED, fma_f32, half_to_float, jit, prange, use_threads
 from .glue_ggml import _libm_expf
+from .x86_decode_ir import kq_scores_8, kq_scores_16, pv_1, pv_2, pv_4, widen_f16
 
 __all__ = ["attention_one", "round_f16_lane", "v_expf_256", "v_expf_lane"]
 
@@ -235,7 +240,15 @@ def _values(v, g, row, base, kv_hi, lanes, acc, out):
         i = jj % step
         for e in range(E):
             acc[i, e] += half_to_float(v[base + jj, g, e]) * a
-    for i in range(lanes):  # (r0 + r2) + (r1 + r3), lane by lane, the E outputs innermost
+    _reduce_lanes(acc, lanes, out)
+
+
+@jit(inline=True)
+def _reduce_lanes(acc, lanes, out):
+    """out[e] = the last steps of `ggml_vec_dot_f16` for the accumulators acc (4 lanes, E): (r0 + r2) + (r1 + r3),
+    then the reduce, lane by lane with the E outputs innermost."""
+    E = out.size
+    for i in range(lanes):
         for e in range(E):
             acc[i, e] = (acc[i, e] + acc[2 * lanes + i, e]) + (acc[lanes + i, e] + acc[3 * lanes + i, e])
     if lanes == 8:
@@ -252,9 +265,58 @@ def _values(v, g, row, base, kv_hi, lanes, acc, out):
             out[e] = (u0 + u2) + (u1 + u3)
 
 
+_BLOCK = 64  # keys widened to f32 at a time for the score products (16 KB at E = 64, in L1 for every head)
+
+
+@jit(inline=True)
+def _scores_ir(q16, k, g, hp, lo, hi, lanes, base, w):
+    """`_scores` through `x86_decode_ir.kq_scores`: blocks of 8 keys from the multiple of 8 at or below lo (keys
+    past hi repeat key hi - 1); the scores outside lo <= j < hi land in w's masked cells."""
+    E = q16.shape[1]
+    steps = E // (4 * lanes)
+    main = steps * 4 * lanes
+    kf = np.empty((_BLOCK, E), np.float32)
+    for j0 in range(lo - lo % 8, hi, _BLOCK):
+        nb = (min(_BLOCK, hi - j0) + 7) // 8
+        widen_f16(k, g, j0, hi - 1, 8 * nb, _BLOCK, 1, kf, main)  # kf[jj] = K[min(j0 + jj, hi - 1)]
+        for hh in range(hp):
+            if steps == 0:  # fewer elements than one step: all leftovers
+                w[hh, j0 - base : j0 - base + 8 * nb] = 0.0
+            elif lanes == 16:
+                kq_scores_16(kf, q16, hh, steps, w, hh, j0 - base, nb)
+            else:
+                kq_scores_8(kf, q16, hh, steps, w, hh, j0 - base, nb)
+    if main < E:  # the leftovers, in double
+        for hh in range(hp):
+            for j in range(lo, hi):
+                d = np.float64(w[hh, j - base])
+                for e in range(main, E):
+                    d += np.float64(half_to_float(k[j, g, e]) * q16[hh, e])
+                w[hh, j - base] = _f32(d)
+
+
+@jit(inline=True)
+def _values_ir(v, g, w, hp, base, kv_hi, lanes, acc, out, h0):
+    """`_values` of the task's hp heads through `x86_decode_ir.pv_*` (E a multiple of 8), up to 4 heads per
+    pass over the V rows: acc (hp * 4 lanes, E)."""
+    step = 4 * lanes
+    if hp % 4 == 0:
+        for h in range(0, hp, 4):
+            pv_4(v, g, base, w, h, kv_hi - base, step, acc)
+    elif hp % 2 == 0:
+        for h in range(0, hp, 2):
+            pv_2(v, g, base, w, h, kv_hi - base, step, acc)
+    else:
+        for h in range(hp):
+            pv_1(v, g, base, w, h, kv_hi - base, step, acc)
+    for hh in range(hp):
+        _reduce_lanes(acc[hh * step : (hh + 1) * step], lanes, out[h0 + hh])
+
+
 @jit(inline=True)
 def _one_task(q, k, v, g, h0, hp, lo, hi, S, n_kv, scale, sinks, lanes, out):
-    """Query heads h0 .. h0 + hp - 1 (of KV group g): their outputs out[h0 + hh]."""
+    """Query heads h0 .. h0 + hp - 1 (of KV group g): their outputs out[h0 + hh]. The products go through
+    `x86_decode_ir` (E a multiple of 8; the same values), else the loops below."""
     E = q.shape[1]
     step = 4 * lanes
     base = lo - lo % step  # the first 4-lane block the V product reads ...
@@ -263,16 +325,24 @@ def _one_task(q, k, v, g, h0, hp, lo, hi, S, n_kv, scale, sinks, lanes, out):
     for hh in range(hp):
         for e in range(E):
             q16[hh, e] = round_f16_lane(q[h0 + hh, e])  # mul_mat converts the queries to F16
-    kf = np.empty(E, np.float32)
-    kacc = np.empty(step, np.float32)
-    t = np.empty((hp * _KEYS, lanes), np.float32)
     w = np.empty((hp, end - base), np.float32)
-    acc = np.empty((step, E), np.float32)
-    _scores(q16, k, g, hp, lo, hi, lanes, base, kf, kacc, t, w)
+    fast = E % 8 == 0 and not DISABLED
+    acc = np.empty((hp * step if fast else step, E), np.float32)
+    if fast:
+        _scores_ir(q16, k, g, hp, lo, hi, lanes, base, w)
+    else:
+        kf = np.empty(E, np.float32)
+        kacc = np.empty(step, np.float32)
+        t = np.empty((hp * _KEYS, lanes), np.float32)
+        _scores(q16, k, g, hp, lo, hi, lanes, base, kf, kacc, t, w)
     for hh in range(hp):
         sink = sinks[h0 + hh] if sinks.size else _f32(0.0)
         _soft_max_row(w[hh], base, lo, hi, n_kv, scale, lanes, sink, sinks.size > 0)
-        _values(v, g, w[hh], base, min(S, end), lanes, acc, out[h0 + hh])
+    if fast:
+        _values_ir(v, g, w, hp, base, min(S, end), lanes, acc, out, h0)
+    else:
+        for hh in range(hp):
+            _values(v, g, w[hh], base, min(S, end), lanes, acc, out[h0 + hh])
 
 
 @jit(parallel=True)
@@ -303,8 +373,8 @@ def attention_one(q, k, v, start, scale, window, sinks, lanes, threads, n_kv) ->
     out = np.empty((H, E), np.float32)
     _attention_one(
         np.ascontiguousarray(q, np.float32),
-        k.view(np.uint16),
-        v.view(np.uint16),
+        np.ascontiguousarray(k).view(np.uint16),  # the IR products take C-contiguous caches
+        np.ascontiguousarray(v).view(np.uint16),
         start,
         k.shape[0],
         n_kv,
