@@ -216,7 +216,8 @@ t1 = time.perf_counter()
 model = bench.load_model(path, backend, numerics=numerics, **({"threads": threads} if backend == "numba" else {}))
 t2 = time.perf_counter()
 prompt = bench.prompt_tokens(n_prompt, model.config.vocab_size)
-first = bench.time_ggufpy(model, prompt[:8], 1)  # compiles (or loads) every kernel the model uses
+first = bench.time_ggufpy(model, prompt, 1)  # compiles (or loads) every kernel the timed run uses: the whole
+# prompt, since a long prompt takes other kernels than 8 tokens (the BLAS tiles of the exact numerics)
 # the fused decode blocks load in the background after the first decode step (the layers run unfused meanwhile,
 # with the loader on the same cores): the timed run measures the steady state, first_call_s includes the wait
 wait_for_compiles()
