@@ -366,9 +366,30 @@ def matvec(ggml_type: GGMLType, q: np.ndarray, xv: np.ndarray, terms, out: np.nd
     rb = q.shape[2]
     ts = rb // (xv.shape[1] // f.block_size)
     exact = terms is None
+    if exact:
+        fast = _exact_kernels().get(ggml_type)
+        if fast is not None:
+            fast(q, xv, out, threads)
+            return out
     terms = _NO_TERMS if exact else terms
     _matvec(threads, f.kind, f.block_size, ts, f.sub, q.reshape(-1), rb, xv, terms, exact, out)
     return out
+
+
+def _exact_kernels() -> dict:
+    """GGML type -> the exact numerics' f32 kernel that decodes blocks in registers (`exact_grid.py`,
+    `exact_lowbit.py`): kernel(q u8[G, 64, row bytes], xv f32[T, cols], out f32[T, G*64], threads). Imported
+    on first use: those modules read this one's tables."""
+    global _EXACT
+    if _EXACT is None:
+        from .exact_grid import KERNELS as grid
+        from .exact_lowbit import KERNELS as lowbit
+
+        _EXACT = grid | lowbit
+    return _EXACT
+
+
+_EXACT: dict | None = None
 
 
 def unpack(ggml_type: GGMLType, q: np.ndarray, cols: int, g0: int, out: np.ndarray, threads: int) -> np.ndarray:
