@@ -200,16 +200,19 @@ def lazy_constraint(tokenizer, parallel=False):
     return LazyConstraint(table, tokenizer, grammar, plan.lazy)
 
 
-def test_plan_is_lazy_only_for_auto_hermes():
+def test_plan_is_lazy_for_auto_hermes_and_llama3():
     messages = [{"role": "user", "content": "x"}]
-    assert toolcalls.plan(QWEN_LIKE, messages, TOOLS, "auto", False).lazy.trigger == "<tool_call>"
+    hermes = toolcalls.plan(QWEN_LIKE, messages, TOOLS, "auto", False).lazy
+    assert hermes.trigger == "<tool_call>" and not hermes.at_start
     assert toolcalls.plan(QWEN_LIKE, messages, TOOLS, None, True).lazy.repeat
     assert toolcalls.plan(QWEN_LIKE, messages, TOOLS, "required", False).lazy is None
     assert toolcalls.plan(QWEN_LIKE, messages, TOOLS, "none", False).lazy is None
     assert toolcalls.plan(QWEN_LIKE, messages, None, "auto", False).lazy is None
     from tests.test_server_tools import LLAMA3_LIKE
 
-    assert toolcalls.plan(LLAMA3_LIKE, messages, TOOLS, "auto", False).lazy is None
+    llama3 = toolcalls.plan(LLAMA3_LIKE, messages, TOOLS, "auto", True).lazy  # a Llama 3 reply is one call
+    assert (llama3.trigger, llama3.close, llama3.at_start, llama3.repeat) == ("{", "", True, False)
+    assert toolcalls.plan(LLAMA3_LIKE, messages, TOOLS, "required", False).lazy is None
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -237,6 +240,57 @@ def test_lazy_constraint_frees_then_forces_a_valid_call(smollm2, seed):
     (call,) = message["tool_calls"]
     assert finish == "tool_calls" and message["content"] == "I will look."
     jsonschema.validate(json.loads(call["function"]["arguments"]), PARAMS[call["function"]["name"]])
+
+
+def llama3_constraint(tokenizer):
+    from tests.test_server_tools import LLAMA3_LIKE
+
+    plan = toolcalls.plan(LLAMA3_LIKE, [{"role": "user", "content": "x"}], TOOLS, "auto", False)
+    table = token_table(tokenizer)
+    grammar = compile_grammar("lark", lazy_grammar(plan.lazy, tokenizer), table)
+    return LazyConstraint(table, tokenizer, grammar, plan.lazy)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("opening", ["{", '\n {"', '{"name'])
+def test_llama3_reply_opening_a_json_object_is_forced_into_a_call(smollm2, seed, opening):
+    """Llama 3 (llama.cpp's pattern trigger): a reply whose first text is `{` is a call; the `{` and what came
+    with it go to the grammar, then only tokens of a valid call, and the reply ends with the call."""
+    tokenizer = smollm2.tokenizer
+    c = llama3_constraint(tokenizer)
+    logits = np.random.default_rng(seed).standard_normal(smollm2.config.vocab_size).astype(np.float32)
+    ids = tokenizer.encode(opening, add_special=False)
+    assert c.apply(logits) is logits  # nothing is masked before the reply opens
+    for t in ids:
+        assert np.isfinite(c.apply(logits)[t]) and not c.finished
+        c.advance(t)
+    assert c.active
+    rng = np.random.default_rng(seed)
+    for _ in range(300):
+        allowed = np.flatnonzero(np.isfinite(c.apply(logits)))
+        assert 0 < len(allowed) < len(logits)
+        token = int(rng.choice(allowed))
+        ids.append(token)
+        c.advance(token)
+        if c.finished:
+            break
+    assert c.finished
+    message, finish = toolcalls.reply(toolcalls.FORMATS["llama3"], tokenizer.decode(ids), "stop")
+    (call,) = message["tool_calls"]
+    assert finish == "tool_calls" and not message["content"]
+    jsonschema.validate(json.loads(call["function"]["arguments"]), PARAMS[call["function"]["name"]])
+
+
+@pytest.mark.parametrize("text", ['Sure: {"name": "get_time"}', ' The answer is {"a": 1}', "x{"])
+def test_llama3_reply_opening_with_text_stays_free(smollm2, text):
+    """Only the reply's first text can trigger: a `{` later (after words) leaves every token allowed."""
+    tokenizer = smollm2.tokenizer
+    c = llama3_constraint(tokenizer)
+    logits = np.zeros(smollm2.config.vocab_size, np.float32)
+    for t in tokenizer.encode(text + ' {"name": "', add_special=False):
+        assert c.apply(logits) is logits and not c.finished
+        c.advance(t)
+    assert c.apply(logits) is logits and not c.active and not c.finished
 
 
 def test_lazy_constraint_again_after_a_call_when_parallel(smollm2):
@@ -421,6 +475,38 @@ def test_parallel_calls_and_free_text_between(server, qwen_tiny):
     content, calls, finish, _ = streamed_calls(chunks)
     assert [c[1:] for c in calls] == [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
     assert (content.strip(), finish) == ("then", "tool_calls")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_llama3_reply_opening_with_a_brace_becomes_a_valid_call(qwen_tiny, stream):
+    """A Llama-3-style template, tool_choice "auto": a reply that opens with `{` and goes on with garbage is
+    made a valid call (without tools the garbage is what it writes); one that opens with words is left free."""
+    from ggufpy.server.app import create_app
+    from tests.server_live import LiveServer
+    from tests.test_server_tools import LLAMA3_LIKE
+
+    template = ChatTemplate(LLAMA3_LIKE, name="llama3")
+    live = LiveServer(create_app(qwen_tiny, parallel=1, ctx_size=2048, model_id="qwen-tiny", chat_template=template))
+    try:
+        garbage = " { this is not a call ] ) at all"
+        script(qwen_tiny, garbage)
+        _, r = chat(live, max_tokens=len(qwen_tiny.script) + 4)
+        assert r.choices[0].message.content.startswith(garbage)
+        _, r = chat(live, tools=TOOLS, stream=stream)
+        if stream:
+            content, calls, finish, _ = streamed_calls(r)
+            ((_, name, arguments),) = calls
+        else:
+            content, finish = r.choices[0].message.content, r.choices[0].finish_reason
+            ((name, arguments),) = [(c.function.name, c.function.arguments) for c in r.choices[0].message.tool_calls]
+        assert finish == "tool_calls" and not content
+        jsonschema.validate(json.loads(arguments), PARAMS[name])
+        script(qwen_tiny, "Well { this is not a call" + "<|endoftext|>")
+        _, r = chat(live, tools=TOOLS)
+        assert r.choices[0].message.tool_calls is None
+        assert r.choices[0].message.content == "Well { this is not a call"
+    finally:
+        live.stop()
 
 
 # -- SmolLM2, made to begin a call -------------------------------------------------------------------------

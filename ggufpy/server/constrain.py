@@ -143,7 +143,10 @@ class Constraint:
 def lazy_grammar(call, tokenizer) -> str:
     """Lark (llguidance) for what follows a `tools.LazyCall`'s trigger: a little whitespace, the call's JSON, a
     little whitespace and its closing tag, written out or as the one special token some vocabularies have for
-    it (Qwen's `</tool_call>`, a tag-like user-defined token llguidance marks special)."""
+    it (Qwen's `</tool_call>`, a tag-like user-defined token llguidance marks special); the JSON alone for a
+    call without a closing tag (Llama 3's)."""
+    if not call.close:
+        return f"start: {call.body}\n"
     close = json.dumps(call.close)
     token = tokenizer.vocab.token_to_id.get(call.close)
     if token is not None and token in special_ids(tokenizer):
@@ -155,7 +158,9 @@ class LazyConstraint:
     """llama.cpp's lazy grammar (`grammar_lazy` with a word trigger, common/sampling.cpp) on llguidance: no mask
     until the reply's text contains `call.trigger`, then `grammar` (`lazy_grammar`: the rest of one call)
     until it is complete; then free again when `call.repeat` (parallel tool calls), else the reply is over
-    (`finished`). The same interface as `Constraint` (what the scheduler calls), so a row stays batch-invariant.
+    (`finished`). A trigger `at_start` (Llama 3's `{`) is looked for in the reply's first text only, and fed
+    to the grammar with what follows it. The same interface as `Constraint` (what the scheduler calls), so a
+    row stays batch-invariant.
 
     The trigger is found in the tokens' bytes (`Vocab.pieces`), so it may be spelled out over several tokens or
     be one special token (Qwen's `<tool_call>`). Text after the trigger in the same token is fed to the grammar
@@ -166,6 +171,8 @@ class LazyConstraint:
         self.tokenize = table.tokenize_bytes
         self.trigger = call.trigger.encode()
         self.repeat = call.repeat
+        self.at_start = call.at_start
+        self.opened = False  # at_start: the reply's first text has come
         self.call = Constraint(table, grammar)  # built before the job runs, reset after each call
         self.active = False  # inside a call: its grammar masks the logits
         self.tail = b""  # the end of the free text, which may hold the trigger's beginning
@@ -182,6 +189,18 @@ class LazyConstraint:
                 self.call.matcher.reset()
             return
         text = self.tail + self.pieces[int(token)]
+        if self.at_start:
+            if self.opened:  # the reply opened with other text: free to its end
+                return
+            if not text.strip():  # whitespace so far: the reply has not opened yet
+                self.tail = text
+                return
+            self.tail, self.opened, rest = b"", True, text.lstrip()
+            if rest.startswith(self.trigger) and self.call.matcher.consume_tokens(self.tokenize(rest)):
+                self.active = True
+            else:
+                self.call.matcher.reset()
+            return
         at = text.find(self.trigger)
         if at < 0:
             self.tail = text[len(text) - min(len(text), len(self.trigger) - 1) :]

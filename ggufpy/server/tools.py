@@ -7,9 +7,10 @@ renders `tools` itself gets them as `tools=`; one that does not (SmolLM2's) gets
 written here (Qwen 2.5's Hermes tool prompt; harmony's `functions` namespace), and its replies are read as such.
 
 `tool_choice` "required" or a named function forces a valid call with a grammar (`forcing_grammar`, through
-structured output); "auto" leaves the model free until it writes the format's trigger (Hermes' `<tool_call>`),
-then constrains the rest of that call (`LazyCall`, constrain.py's `LazyConstraint`: llama.cpp's lazy grammars);
-"none" renders no tools. Hermes and Llama 3 replies are read as they stream (`tool_stream.py`).
+structured output); "auto" leaves the model free until it writes the format's trigger (Hermes' `<tool_call>`
+anywhere, Llama 3's `{` opening the reply), then constrains the rest of that call (`LazyCall`, constrain.py's
+`LazyConstraint`: llama.cpp's lazy grammars); "none" renders no tools. Hermes and Llama 3 replies are read as
+they stream (`tool_stream.py`).
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ ONE_SPACE = {"x-guidance": {"whitespace_flexible": True, "whitespace_pattern": "
 @dataclass(frozen=True)
 class ToolFormat:
     """How one model family writes a call: between `open` and `close` (Hermes), or as the whole reply, a JSON
-    object after an optional `prefix` (Llama 3: `open` is None). `arguments_key` names the arguments' field."""
+    object after an optional `prefix` (Llama 3: `open` is None, and a reply opening with `starts_with` is a
+    call). `arguments_key` names the arguments' field."""
 
     name: str
     open: str | None
@@ -56,6 +58,7 @@ class ToolFormat:
     always: bool = False  # every reply is in this format, tools or not (harmony's channels)
     calls: bool = True  # calls are read (False: no tools were offered, a call is dropped)
     specials: bool = False  # its tags are special tokens: the reader takes (text, is special) pieces
+    starts_with: str | None = None  # a reply opening with this (after whitespace) is a call
 
 
 FORMATS: dict[str, ToolFormat] = {
@@ -66,7 +69,11 @@ FORMATS: dict[str, ToolFormat] = {
         ToolFormat("harmony", None, None, "arguments", template_marks=("<|message|>",), always=True, specials=True),
         ToolFormat("hermes", "<tool_call>", "</tool_call>", "arguments", template_marks=("<tool_call>",)),
         # Llama 3.1-3.3: `{"name": ..., "parameters": {...}}`, after <|python_tag|> in some replies
-        ToolFormat("llama3", None, None, "parameters", "<|python_tag|>", ("<|python_tag|>", '"parameters"')),
+        # llama.cpp's lazy grammar for them triggers on a reply opening with `{` and `"name"` (common/chat.cpp,
+        # Llama 3.x: a PATTERN_FULL trigger); here on the `{`, the grammar then admits only a call
+        ToolFormat(
+            "llama3", None, None, "parameters", "<|python_tag|>", ("<|python_tag|>", '"parameters"'), starts_with="{"
+        ),
     )
 }
 
@@ -101,12 +108,15 @@ def check_tools(tools: Sequence[Mapping[str, Any]], choice: Any) -> str | None:
 @dataclass(frozen=True)
 class LazyCall:
     """A call the model may begin (tool_choice "auto"): free text until `trigger`, then `body` (Lark: one call's
-    JSON) and `close`; free again after it when `repeat` (parallel_tool_calls), else the reply ends there."""
+    JSON) and `close`; free again after it when `repeat` (parallel_tool_calls), else the reply ends there. With
+    `at_start` the trigger counts only as the reply's first text (after whitespace), and is the call's own
+    first character (Llama 3's `{`), so it goes to the grammar too."""
 
     trigger: str
     body: str
     close: str
     repeat: bool
+    at_start: bool = False
 
 
 @dataclass(frozen=True)
@@ -135,9 +145,12 @@ def plan(template_source: str, messages: list[dict], tools, choice, parallel: bo
     grammar = lazy = None
     if offered and (forced is not None or choice == "required"):
         grammar = forcing_grammar(fmt, offered, forced, parallel)
-    elif offered and fmt.open is not None:  # Hermes: `<tool_call>` starts a call (Llama 3, harmony: none)
+    elif offered and (fmt.open or fmt.starts_with):  # Hermes' `<tool_call>`, Llama 3's `{` (harmony: none)
         body = "%json " + json.dumps({**call_schema(fmt, offered), **ONE_SPACE})
-        lazy = LazyCall(fmt.open, body, fmt.close, parallel)
+        if fmt.open is not None:
+            lazy = LazyCall(fmt.open, body, fmt.close, parallel)
+        else:  # the whole reply is the call: one
+            lazy = LazyCall(fmt.starts_with, body, "", False, at_start=True)
     return ToolPlan(messages, passed, read_as, grammar, lazy)
 
 
