@@ -538,3 +538,64 @@ def test_named_call_after_a_tool_result(server, gpt_oss):
     choice = chat(server, messages=messages, tools=[WEATHER, TIME], tool_choice=named).choices[0]
     (call,) = choice.message.tool_calls
     assert call.function.name == "get_time" and json.loads(call.function.arguments) == {}
+
+
+def test_lazy_grammar_reads_what_gpt_oss_writes_after_the_recipient():
+    """tool_choice "auto": after `to=functions.` the lazy grammar takes a tool's name, each header gpt-oss
+    writes (`<|constrain|>json`, plain `json`, or none; the channel after a recipient in the role header) and
+    arguments valid for that tool; not another name, not arguments of the wrong schema."""
+    llguidance = pytest.importorskip("llguidance")
+    from ggufpy.server.constrain import lazy_grammar
+
+    plan = toolcalls.plan(TEMPLATE, [{"role": "user", "content": "x"}], [WEATHER, TIME], "auto", False)
+    lazy = plan.lazy
+    assert lazy.triggers == toolcalls.HARMONY_TRIGGERS and not lazy.repeat and lazy.close == ""
+
+    class Tok:  # lazy_grammar looks up the closing tag's token: harmony has none
+        vocab = type("V", (), {"token_to_id": {}})()
+
+    tokenizer, grammar = _tag_tokenizer(llguidance), lazy_grammar(lazy, Tok())
+    weather = '{"city": "Paris","unit":"celsius"}'
+    for text in (
+        f"get_weather <|constrain|>json<|message|>{weather}",
+        f"get_weather json<|message|>{weather}",
+        f"get_weather<|message|>{weather}",
+        f"get_weather<|channel|>commentary json<|message|>{weather}",
+        "get_time <|constrain|>json<|message|>{}",
+    ):
+        assert _accepts(llguidance, tokenizer, grammar, text), text
+    for text in (
+        f"get_wetter <|constrain|>json<|message|>{weather}",
+        "get_weather <|constrain|>json<|message|>{}",
+        'get_time <|constrain|>json<|message|>{"city": "Paris"}',
+        f"get_weather <|constrain|>json<|message|>{weather}<|end|>",
+        f"get_weather <|constrain|>json<|message|>{weather}".replace("<|message|>", "&lt;message&gt;"),
+    ):
+        assert not _accepts(llguidance, tokenizer, grammar, text), text
+    assert not _accepts(llguidance, tokenizer, grammar, f"get_weather <|constrain|>json<|message|>{weather}", True)
+
+
+def test_call_begun_with_garbage_arguments_is_made_valid(server, gpt_oss):
+    """tool_choice "auto": the model writes a call's header and then anything: from `to=functions.` on the lazy
+    grammar holds, so the arguments are valid for the tool named; the analysis before it is free."""
+    jsonschema = pytest.importorskip("jsonschema")
+    begun = (
+        "<|channel|>analysis<|message|>Use the tool.<|end|><|start|>assistant<|channel|>commentary"
+        " to=functions.get_weather <|constrain|>json<|message|>{ this is ] not JSON"
+    )
+    script(gpt_oss, begun)
+    choice = chat(server).choices[0]  # no tools: the call is dropped, its text was garbage
+    assert choice.message.tool_calls is None
+    choice = chat(server, tools=[WEATHER, TIME]).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.reasoning_content == "Use the tool."
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+
+
+def test_final_message_mentioning_the_namespace_stays_free(server, gpt_oss):
+    """Only a recipient triggers the grammar: a final message whose text says `to=functions.` is content."""
+    text = "Say to=functions.get_weather if you like."
+    script(gpt_oss, f"<|channel|>final<|message|>{text}<|return|>")
+    choice = chat(server, tools=[WEATHER, TIME]).choices[0]
+    assert choice.message.tool_calls is None and choice.message.content == text

@@ -203,7 +203,7 @@ def lazy_constraint(tokenizer, parallel=False):
 def test_plan_is_lazy_for_auto_hermes_and_llama3():
     messages = [{"role": "user", "content": "x"}]
     hermes = toolcalls.plan(QWEN_LIKE, messages, TOOLS, "auto", False).lazy
-    assert hermes.trigger == "<tool_call>" and not hermes.at_start
+    assert hermes.triggers == ("<tool_call>",) and not hermes.at_start
     assert toolcalls.plan(QWEN_LIKE, messages, TOOLS, None, True).lazy.repeat
     assert toolcalls.plan(QWEN_LIKE, messages, TOOLS, "required", False).lazy is None
     assert toolcalls.plan(QWEN_LIKE, messages, TOOLS, "none", False).lazy is None
@@ -211,7 +211,7 @@ def test_plan_is_lazy_for_auto_hermes_and_llama3():
     from tests.test_server_tools import LLAMA3_LIKE
 
     llama3 = toolcalls.plan(LLAMA3_LIKE, messages, TOOLS, "auto", True).lazy  # a Llama 3 reply is one call
-    assert (llama3.trigger, llama3.close, llama3.at_start, llama3.repeat) == ("{", "", True, False)
+    assert (llama3.triggers, llama3.close, llama3.at_start, llama3.repeat) == (("{",), "", True, False)
     assert toolcalls.plan(LLAMA3_LIKE, messages, TOOLS, "required", False).lazy is None
 
 

@@ -146,7 +146,7 @@ def lazy_grammar(call, tokenizer) -> str:
     it (Qwen's `</tool_call>`, a tag-like user-defined token llguidance marks special); the JSON alone for a
     call without a closing tag (Llama 3's)."""
     if not call.close:
-        return f"start: {call.body}\n"
+        return f"start: {call.body}\n{call.rules}"
     close = json.dumps(call.close)
     token = tokenizer.vocab.token_to_id.get(call.close)
     if token is not None and token in special_ids(tokenizer):
@@ -156,7 +156,7 @@ def lazy_grammar(call, tokenizer) -> str:
 
 class LazyConstraint:
     """llama.cpp's lazy grammar (`grammar_lazy` with a word trigger, common/sampling.cpp) on llguidance: no mask
-    until the reply's text contains `call.trigger`, then `grammar` (`lazy_grammar`: the rest of one call)
+    until the reply's text contains one of `call.triggers`, then `grammar` (`lazy_grammar`: the rest of one call)
     until it is complete; then free again when `call.repeat` (parallel tool calls), else the reply is over
     (`finished`). A trigger `at_start` (Llama 3's `{`) is looked for in the reply's first text only, and fed
     to the grammar with what follows it. The same interface as `Constraint` (what the scheduler calls), so a
@@ -169,7 +169,8 @@ class LazyConstraint:
     def __init__(self, table, tokenizer, grammar: str, call):
         self.pieces = tokenizer.vocab.pieces
         self.tokenize = table.tokenize_bytes
-        self.trigger = call.trigger.encode()
+        self.triggers = [t.encode() for t in call.triggers]
+        self.keep = max(map(len, self.triggers)) - 1  # bytes of free text that may hold a trigger's beginning
         self.repeat = call.repeat
         self.at_start = call.at_start
         self.opened = False  # at_start: the reply's first text has come
@@ -196,16 +197,17 @@ class LazyConstraint:
                 self.tail = text
                 return
             self.tail, self.opened, rest = b"", True, text.lstrip()
-            if rest.startswith(self.trigger) and self.call.matcher.consume_tokens(self.tokenize(rest)):
+            if rest.startswith(self.triggers[0]) and self.call.matcher.consume_tokens(self.tokenize(rest)):
                 self.active = True
             else:
                 self.call.matcher.reset()
             return
-        at = text.find(self.trigger)
-        if at < 0:
-            self.tail = text[len(text) - min(len(text), len(self.trigger) - 1) :]
+        found = [(at, -len(t)) for t in self.triggers if (at := text.find(t)) >= 0]
+        if not found:
+            self.tail = text[len(text) - min(len(text), self.keep) :]
             return
-        self.tail, rest = b"", text[at + len(self.trigger) :]
+        at, minus = min(found)  # the first trigger, the longest of those starting there
+        self.tail, rest = b"", text[at - minus :]
         if self.call.matcher.consume_tokens(self.tokenize(rest)) if rest else True:
             self.active = True
         else:

@@ -8,9 +8,9 @@ written here (Qwen 2.5's Hermes tool prompt; harmony's `functions` namespace), a
 
 `tool_choice` "required" or a named function forces a valid call with a grammar (`forcing_grammar`, through
 structured output); "auto" leaves the model free until it writes the format's trigger (Hermes' `<tool_call>`
-anywhere, Llama 3's `{` opening the reply), then constrains the rest of that call (`LazyCall`, constrain.py's
-`LazyConstraint`: llama.cpp's lazy grammars); "none" renders no tools. Hermes and Llama 3 replies are read as
-they stream (`tool_stream.py`).
+anywhere, Llama 3's `{` opening the reply, harmony's `to=functions.` recipient), then constrains the rest of
+that call (`LazyCall`, constrain.py's `LazyConstraint`: llama.cpp's lazy grammars); "none" renders no tools.
+Hermes and Llama 3 replies are read as they stream (`tool_stream.py`).
 """
 
 from __future__ import annotations
@@ -37,6 +37,12 @@ HARMONY_TOOL = "// {description}\ntype {name} = (_: {parameters}) => any;\n\n"
 # how gpt-oss writes a call (openai-harmony's rendering of a recipient and a constrained body), in Lark: its
 # <|...|> are tokens (llguidance's special-token syntax), which no text spelling them may stand for
 HARMONY_CALL = '<|channel|> "commentary to=functions.{name} " <|constrain|> "json" <|message|>'
+# where a harmony call the model begins is recognised (llama.cpp's gpt-oss triggers, common/chat.cpp): the
+# recipient after the channel, or before it in the role header; then the rest of a header any gpt-oss writes
+HARMONY_TRIGGERS = ("commentary to=functions.", "assistant to=functions.")
+HARMONY_HEADER_REST = (
+    'harmony_header: " "? (<|channel|> ("commentary" | "analysis") " "?)? (<|constrain|>? "json")? <|message|>\n'
+)
 NO_WHITESPACE = {"x-guidance": {"whitespace_flexible": False}}  # forced calls as compact JSON (constrain.py says why)
 # a call the model began itself: its own spacing (Qwen writes `{"name": "f", "arguments": {...}}`), at most one
 # space between JSON tokens, so it cannot pad forever
@@ -59,6 +65,7 @@ class ToolFormat:
     calls: bool = True  # calls are read (False: no tools were offered, a call is dropped)
     specials: bool = False  # its tags are special tokens: the reader takes (text, is special) pieces
     starts_with: str | None = None  # a reply opening with this (after whitespace) is a call
+    triggers: tuple[str, ...] = ()  # text that begins a call within a reply (`LazyCall`)
 
 
 FORMATS: dict[str, ToolFormat] = {
@@ -66,8 +73,24 @@ FORMATS: dict[str, ToolFormat] = {
     for f in (
         # gpt-oss: `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{args}`; its templates
         # (the real one, llama.cpp's built-in) are the only ones writing <|message|>
-        ToolFormat("harmony", None, None, "arguments", template_marks=("<|message|>",), always=True, specials=True),
-        ToolFormat("hermes", "<tool_call>", "</tool_call>", "arguments", template_marks=("<tool_call>",)),
+        ToolFormat(
+            "harmony",
+            None,
+            None,
+            "arguments",
+            template_marks=("<|message|>",),
+            always=True,
+            specials=True,
+            triggers=HARMONY_TRIGGERS,
+        ),
+        ToolFormat(
+            "hermes",
+            "<tool_call>",
+            "</tool_call>",
+            "arguments",
+            template_marks=("<tool_call>",),
+            triggers=("<tool_call>",),
+        ),
         # Llama 3.1-3.3: `{"name": ..., "parameters": {...}}`, after <|python_tag|> in some replies
         # llama.cpp's lazy grammar for them triggers on a reply opening with `{` and `"name"` (common/chat.cpp,
         # Llama 3.x: a PATTERN_FULL trigger); here on the `{`, the grammar then admits only a call
@@ -107,16 +130,17 @@ def check_tools(tools: Sequence[Mapping[str, Any]], choice: Any) -> str | None:
 
 @dataclass(frozen=True)
 class LazyCall:
-    """A call the model may begin (tool_choice "auto"): free text until `trigger`, then `body` (Lark: one call's
-    JSON) and `close`; free again after it when `repeat` (parallel_tool_calls), else the reply ends there. With
-    `at_start` the trigger counts only as the reply's first text (after whitespace), and is the call's own
-    first character (Llama 3's `{`), so it goes to the grammar too."""
+    """A call the model may begin (tool_choice "auto"): free text until one of `triggers`, then `body` (Lark:
+    the rest of one call, with its `rules`) and `close`; free again after it when `repeat` (parallel_tool_calls),
+    else the reply ends there. With `at_start` the trigger counts only as the reply's first text (after
+    whitespace), and is the call's own first character (Llama 3's `{`), so it goes to the grammar too."""
 
-    trigger: str
+    triggers: tuple[str, ...]
     body: str
     close: str
     repeat: bool
     at_start: bool = False
+    rules: str = ""
 
 
 @dataclass(frozen=True)
@@ -145,12 +169,15 @@ def plan(template_source: str, messages: list[dict], tools, choice, parallel: bo
     grammar = lazy = None
     if offered and (forced is not None or choice == "required"):
         grammar = forcing_grammar(fmt, offered, forced, parallel)
-    elif offered and (fmt.open or fmt.starts_with):  # Hermes' `<tool_call>`, Llama 3's `{` (harmony: none)
+    elif offered and fmt.name == "harmony":  # the recipient's name, the header's rest, the arguments; <|call|>
+        # then ends the generation: one call
+        lazy = LazyCall(fmt.triggers, _harmony_lazy_body(offered), "", False, rules=HARMONY_HEADER_REST)
+    elif offered and fmt.triggers:  # Hermes: `<tool_call>` anywhere, its call's JSON, `</tool_call>`
         body = "%json " + json.dumps({**call_schema(fmt, offered), **ONE_SPACE})
-        if fmt.open is not None:
-            lazy = LazyCall(fmt.open, body, fmt.close, parallel)
-        else:  # the whole reply is the call: one
-            lazy = LazyCall(fmt.starts_with, body, "", False, at_start=True)
+        lazy = LazyCall(fmt.triggers, body, fmt.close, parallel)
+    elif offered and fmt.starts_with:  # Llama 3: the whole reply is the call: one
+        body = "%json " + json.dumps({**call_schema(fmt, offered), **ONE_SPACE})
+        lazy = LazyCall((fmt.starts_with,), body, "", False, at_start=True)
     return ToolPlan(messages, passed, read_as, grammar, lazy)
 
 
@@ -272,6 +299,16 @@ def _harmony_grammar(tools: Sequence[Mapping[str, Any]], name: str | None) -> st
             head = HARMONY_CALL.format(name=json.dumps(fn["name"])[1:-1])
             alternatives.append(f"{head} %json {json.dumps({**params, **NO_WHITESPACE})}")
     return "start: call\ncall: " + "\n    | ".join(alternatives) + "\n"
+
+
+def _harmony_lazy_body(tools: Sequence[Mapping[str, Any]]) -> str:
+    """What follows `functions.` in a call the model began: one tool's name, the header's rest, its arguments."""
+    alternatives = []
+    for tool in tools:
+        fn = tool["function"]
+        params = dict(fn.get("parameters") or {"type": "object"})
+        alternatives.append(f"{json.dumps(fn['name'])} harmony_header %json {json.dumps({**params, **ONE_SPACE})}")
+    return "(" + " | ".join(alternatives) + ")"
 
 
 def structured(fmt: ToolFormat | None, spec: tuple[str, Any] | None) -> tuple[str, Any] | None:
