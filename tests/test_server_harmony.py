@@ -593,6 +593,22 @@ def test_call_begun_with_garbage_arguments_is_made_valid(server, gpt_oss):
     jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
 
 
+def test_call_whose_recipient_opens_the_reply_is_made_valid(server, gpt_oss):
+    """tool_choice "auto": gpt-oss may put the recipient in the role header the prompt began
+    (`<|start|>assistant` + ` to=functions.f<|channel|>commentary json<|message|>`): the trigger spans the
+    prompt's end and the reply's first tokens, and the arguments after it are made valid."""
+    jsonschema = pytest.importorskip("jsonschema")
+    begun = " to=functions.get_weather<|channel|>commentary json<|message|>{ this is ] not JSON"
+    script(gpt_oss, begun)
+    choice = chat(server).choices[0]  # no tools: free, and the garbage call is dropped
+    assert choice.message.tool_calls is None
+    choice = chat(server, tools=[WEATHER, TIME]).choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+
+
 def test_final_message_mentioning_the_namespace_stays_free(server, gpt_oss):
     """Only a recipient triggers the grammar: a final message whose text says `to=functions.` is content."""
     text = "Say to=functions.get_weather if you like."

@@ -119,7 +119,7 @@ def create_app(
             elif lazy is None:
                 job.constraint = Constraint(token_table(tokenizer), grammar)
             else:  # tool_choice "auto": the grammar holds from the call's trigger on
-                job.constraint = LazyConstraint(token_table(tokenizer), tokenizer, grammar, lazy)
+                job.constraint = LazyConstraint(token_table(tokenizer), tokenizer, grammar, lazy, prompt)
             job.specials = specials
             out.append(job)
         return out

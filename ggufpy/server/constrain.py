@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -163,10 +163,12 @@ class LazyConstraint:
     row stays batch-invariant.
 
     The trigger is found in the tokens' bytes (`Vocab.pieces`), so it may be spelled out over several tokens or
-    be one special token (Qwen's `<tool_call>`). Text after the trigger in the same token is fed to the grammar
-    first (its tokens by llguidance's tokenizer); if the grammar refuses it, that call stays free."""
+    be one special token (Qwen's `<tool_call>`), and it may begin in the `prompt`'s last bytes, which the reply
+    continues (gpt-oss's recipient right after the prompt's `<|start|>assistant`). Text after the trigger in the
+    same token is fed to the grammar first (its tokens by llguidance's tokenizer); if the grammar refuses it,
+    that call stays free."""
 
-    def __init__(self, table, tokenizer, grammar: str, call):
+    def __init__(self, table, tokenizer, grammar: str, call, prompt: Sequence[int] = ()):
         self.pieces = tokenizer.vocab.pieces
         self.tokenize = table.tokenize_bytes
         self.triggers = [t.encode() for t in call.triggers]
@@ -177,6 +179,10 @@ class LazyConstraint:
         self.call = Constraint(table, grammar)  # built before the job runs, reset after each call
         self.active = False  # inside a call: its grammar masks the logits
         self.tail = b""  # the end of the free text, which may hold the trigger's beginning
+        if not self.at_start:  # the reply continues the prompt's text: a trigger may begin there (gpt-oss's
+            # recipient right after the prompt's `<|start|>assistant`: llama.cpp's "assistant to=functions.")
+            end = b"".join(self.pieces[int(t)] for t in prompt[max(len(prompt) - self.keep, 0) :])
+            self.tail = end[len(end) - min(len(end), self.keep) :]
         self.done = False
 
     def apply(self, logits: np.ndarray) -> np.ndarray:
