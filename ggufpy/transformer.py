@@ -217,9 +217,9 @@ class Model:
         if cfg.gemma4 is not None:  # (one row per cache: `rows_prefill` is False)
             gemma4.set_per_layer_inputs(self, ids, h, caches)
         angles = {}  # RoPE parameters -> (cos, sin), each (N, R/2): row r at row_pos[r]
+        one_each = [np.arange(p, p + 1) for p in row_pos]  # each row's angles as a one-token pass computes them
         for i in self.layers:
-            # each row's angles computed as a one-token forward pass computes them
-            cos, sin = self._angles(angles, i, [np.arange(p, p + 1) for p in row_pos])
+            cos, sin = self._angles(angles, i, one_each)
             out = None
             if self.decode_rows is not None and self.numerics is self.backend.numerics:
                 out = self.decode_rows(cfg, self.weights.layers[i], i, h, row_pos, cos, sin, row_caches)
