@@ -28,6 +28,11 @@ def test_table_ratios():
     assert lines[0] == head
     assert lines[2] == "| 1 | 10.0 | 50.0 | 1.00x | 0.20x |"
     assert lines[4] == "| 8 | 40.0 | 20.0 | 4.00x | 2.00x |"
+    # llama-cpp-python serves one request at a time: its best row (50 tok/s) is its ceiling at any concurrency
+    assert (
+        "llama-cpp-python's best at any concurrency (50.0 tok/s): 1 streams 0.20x, 4 streams 0.40x, 8 streams 0.80x"
+        in text
+    )
 
 
 def test_flags():

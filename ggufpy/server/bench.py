@@ -147,6 +147,10 @@ def table(results: dict[str, list[dict]]) -> str:
         if len(engines) == 2:
             cells.append(f"{results[engines[0]][i]['tok_s'] / results[engines[1]][i]['tok_s']:.2f}x")
         lines.append("| " + " | ".join(cells) + " |")
+    if len(engines) == 2:  # the other engine serves one request at a time: its best row bounds every row
+        ceiling = max(r["tok_s"] for r in results[engines[1]])
+        against = ", ".join(f"{r['streams']} streams {r['tok_s'] / ceiling:.2f}x" for r in results[engines[0]])
+        lines.append(f"\n{engines[0]} / {engines[1]}'s best at any concurrency ({ceiling:.1f} tok/s): {against}")
     loads = [e + " " + ", ".join(f"{r['load']:.1f}" for r in results[e]) for e in engines if "load" in results[e][0]]
     if loads:
         lines.append("\nload average (1 min) at the end of each row: " + "; ".join(loads))
