@@ -9,6 +9,7 @@ import pytest
 from ggufpy import kernels
 from ggufpy.constants import GGMLType
 from ggufpy.numerics import NUMERICS
+from ggufpy.weights import QuantTensor
 
 if not kernels.AVAILABLE:
     pytest.skip("numba kernels unavailable", allow_module_level=True)
@@ -51,6 +52,27 @@ def test_products_match_the_reference_and_rows_are_batch_invariant(t, rows, bloc
     for T in (2, 3, 4, 8):  # tiles of 3 activation rows, then 2 or 1
         np.testing.assert_array_equal(_product(t, w, x[:T]), alone[:T])
         np.testing.assert_array_equal(_product(t, w, x[8 - T :]), alone[8 - T :])
+
+
+@pytest.mark.parametrize("t", [GGMLType.MXFP4, GGMLType.NVFP4], ids=lambda t: t.name)
+def test_fp4_extreme_scales(t):
+    """Scales far from 1 (`exact_fp4_ir` sums kvalue 2^24 and scales each sum by d 2^-24): MXFP4 exponents
+    2^-125..2^-98 and 2^72..2^112 mixed within rows, NVFP4 every scale byte (0x7F: 0; bit 7 ignored)."""
+    rows, cols = 70, row_length(t, 9)
+    blocks = random_weight(t, rows, cols, seed=12).raw.reshape(rows * cols // (32 if t == GGMLType.MXFP4 else 64), -1)
+    rng = np.random.default_rng(13)
+    if t == GGMLType.MXFP4:  # (e = 0, 1, 2: d 2^-24 underflows; the reference's weights are subnormal there)
+        blocks[:, 0] = rng.choice(np.r_[3:30, 200:240], len(blocks))
+    else:
+        blocks[:, 0:4] = rng.integers(0, 256, (len(blocks), 4))
+    w = QuantTensor("w", t, (rows, cols), blocks.reshape(-1))
+    W = w.dequantize()
+    assert np.isfinite(W).all()
+    x = np.random.default_rng(14).standard_normal((5, cols)).astype(np.float32)
+    alone = np.concatenate([_product(t, w, x[i : i + 1]) for i in range(5)])
+    assert np.isfinite(alone).all()
+    assert_close(alone, x @ W.T, np.abs(x) @ np.abs(W).T)
+    np.testing.assert_array_equal(_product(t, w, x), alone)
 
 
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)

@@ -1,23 +1,21 @@
 """LLVM IR of the exact numerics' low-bit products (`exact_lowbit.py`): each block decoded in registers straight to
-its f32 weights, then multiply-added with the f32 activations.
+its f32 weights, then multiply-added with the f32 activations. (MXFP4 and NVFP4: `exact_fp4_ir.py`.)
 
 Every format is decoded 8 elements (one `<8 x float>`, a "chunk") at a time, in 32-bit lanes: the chunk's code
 bytes zero-extended (`vpmovzxbd` from memory), the code moved to the low bits by a shift, and the weight read
-from an 8-entry table of the block's (or sub-block's) weights with `vpermps`, which looks at the low 3 bits of
+from an 8-entry table of the block's weights with `vpermps`, which looks at the low 3 bits of
 each lane only:
 
     TQ2_0   table d * [-1, 0, 1, 2, -1, 0, 1, 2]        index: qs as 8 dwords >> (8s + 2l), no byte spread: a chunk
                                                         holds elements 4i + s of 32, the activations `strided`
     TQ1_0   table d * [-1, 0, 1, ...]                   index: the base-3 digit ((u8)(q 3^k) 3) >> 8, formed as
                                                         t' = 3t, digit = t' >> 8, t = t' & 255 per power
-    MXFP4   table d * [0, 1, 2, 3, 4, 6, 8, 12]         index: the nibble; bit 3 (the sign) xor'ed into bit 31
-    NVFP4   as MXFP4, one table per 16-element sub-block (its UE4M3 scale)
     Q1_0    select(bit, d, -d)                          the sign byte's bits shifted to bit 31 (`vpsllvd`)
 
 Each table entry is fl(scale * value), the reference's single rounding (`quants/lowbit.py` `scaled`), so every
-weight equals the reference dequantizer's (up to the sign of a zero: MXFP4's code 8 gives -0). The products then
-differ from `x @ dequantize(W).T` in f32 summation order only: chunk c of a row goes to accumulator c % ACC
-(`acc = fma(x, w, acc)`), in increasing c; at the row's end a0 + a1 and `hsum_float_8`'s order.
+weight equals the reference dequantizer's. The products then differ from `x @ dequantize(W).T` in f32 summation
+order only: chunk c of a row goes to accumulator c % ACC (`acc = fma(x, w, acc)`), in increasing c; at the row's
+end a0 + a1 and `hsum_float_8`'s order.
 
 `row_dot(n)` decodes n weight rows side by side for one activation row. For 2+ activation rows the same decoders
 write two weight rows into a scratch (`row_decode`: decoded once for all activation rows) and `scratch_dot(2, m)`
@@ -34,8 +32,6 @@ from numba.extending import intrinsic
 
 from ..constants import GGMLType
 from .int8ir import F32, F32T, I8, I32, I64, U8, V8F32, _broadcast, _fma, _fn, _half, _load, _loop, _row, _splat
-from .int8ir_fp4 import _e8m0_half
-from .int8ir_nvfp4 import _ue4m3_half
 
 __all__ = ["ACC", "FORMATS", "KINDS", "row_decode", "row_dot", "scratch_dot"]
 
@@ -45,7 +41,6 @@ __all__ = ["ACC", "FORMATS", "KINDS", "row_decode", "row_dot", "scratch_dot"]
 ACC = 2
 PIECE = 4  # chunks per step of the decoders' loops
 V8I8, V8I32 = ir.VectorType(I8, 8), ir.VectorType(I32, 8)
-_KVALUES_POS = [0, 1, 2, 3, 4, 6, 8, 12]  # ggml-common.h `kvalues_mxfp4` 0..7 (8..15 are their negatives)
 
 
 def _permps(builder, table, idx):
@@ -60,12 +55,6 @@ def _dwords(builder, blk, at):
 def _table(builder, values, scale):
     """<8 x float> fl(values[i] * scale): the weights a code can take (the reference's `value * scale`)."""
     return builder.fmul(ir.Constant(V8F32, [float(v) for v in values]), _broadcast(builder, scale, V8F32))
-
-
-def _signed(builder, w, code_at_bit_31):
-    """w with bit 31 of each lane of `code_at_bit_31` xor'ed into its sign (FP4's sign bit: kvalues 8..15 = -0..7)."""
-    sign = builder.and_(code_at_bit_31, _splat(V8I32, -(2**31)))
-    return builder.bitcast(builder.xor(builder.bitcast(w, V8I32), sign), V8F32)
 
 
 # -- decoders ----------------------------------------------------------------------------------------------------
@@ -141,37 +130,6 @@ def _tq1_0(builder, blks, carried, consume):
     return carried
 
 
-def _fp4_chunks(builder, blk, at, table):
-    """The 8 bytes at blk + at: (low nibbles, high nibbles) as two <8 x float> chunks of weights from `table`."""
-    b = _dwords(builder, blk, at)
-    lo = _signed(builder, _permps(builder, table, b), builder.shl(b, _splat(V8I32, 28)))
-    hi = _signed(builder, _permps(builder, table, builder.lshr(b, _splat(V8I32, 4))), builder.shl(b, _splat(V8I32, 24)))
-    return lo, hi
-
-
-def _mxfp4(builder, blks, carried, consume):
-    """block_mxfp4: E8M0 e at 0; qs at 1: low nibble -> element j, high -> j + 16."""
-    for rr, blk in enumerate(blks):
-        table = _table(builder, _KVALUES_POS, _e8m0_half(builder, _load(builder, blk, 0, I8)))
-        lo0, hi0 = _fp4_chunks(builder, blk, 1, table)
-        lo1, hi1 = _fp4_chunks(builder, blk, 9, table)
-        for c, w in enumerate((lo0, lo1, hi0, hi1)):
-            carried = consume(carried, rr, c, c % ACC, w)
-    return carried
-
-
-def _nvfp4(builder, blks, carried, consume):
-    """block_nvfp4: UE4M3 d[4] at 0; qs[8s + j] at 4: low nibble -> element 16s + j, high -> 16s + 8 + j."""
-    for rr, blk in enumerate(blks):
-        scales = _ue4m3_half(builder, _load(builder, blk, 0, ir.VectorType(I8, 4)))
-        for s in range(4):
-            table = _table(builder, _KVALUES_POS, builder.extract_element(scales, ir.Constant(I32, s)))
-            lo, hi = _fp4_chunks(builder, blk, 4 + 8 * s, table)
-            carried = consume(carried, rr, 2 * s, (2 * s) % ACC, lo)
-            carried = consume(carried, rr, 2 * s + 1, (2 * s + 1) % ACC, hi)
-    return carried
-
-
 def _q1_0(builder, blks, carried, consume):
     """block_q1_0: fp16 d at 0; bit j % 8 of qs[j // 8] (at 2) set: element j is d, else -d."""
     ds = [_half(builder, blk, 0) for blk in blks]
@@ -202,8 +160,6 @@ class Format:
 FORMATS = {
     GGMLType.TQ1_0: Format(54, 256, _tq1_0, rows=2),
     GGMLType.TQ2_0: Format(66, 256, _tq2_0, rows=2, strided=True),
-    GGMLType.MXFP4: Format(17, 32, _mxfp4, rows=2),
-    GGMLType.NVFP4: Format(36, 64, _nvfp4, rows=2),
     GGMLType.Q1_0: Format(18, 128, _q1_0, rows=2),
 }
 KINDS = {t: k for k, t in enumerate(FORMATS)}
@@ -211,13 +167,14 @@ KINDS = {t: k for k, t in enumerate(FORMATS)}
 
 
 # -- the intrinsics -----------------------------------------------------------------------------------------------
-def _switch(builder, kind, case, result_type=None):
-    """Emit case(format) for the format numbered `kind` (a run-time i64); returns the result's phi, if any."""
+def _switch(builder, kind, case, result_type=None, formats=None):
+    """Emit case(format) for the format numbered `kind` (a run-time i64) of `formats` (default: `FORMATS`);
+    returns the result's phi, if any."""
     done = builder.append_basic_block("exact.done")
     default = builder.append_basic_block("exact.default")
     sw = builder.switch(kind, default)
     incoming = []
-    for k, f in enumerate(FORMATS.values()):
+    for k, f in enumerate((FORMATS if formats is None else formats).values()):
         bb = builder.append_basic_block(f"exact.kind{k}")
         sw.add_case(ir.Constant(I64, k), bb)
         builder.position_at_end(bb)
