@@ -34,15 +34,18 @@ def quantized_path(tmp_path_factory):
 
 
 def _kernels():
-    from ggufpy.kernels import attention, matvec
+    """The decode step's row kernels (`batched`: one row of the exact numerics), then the prefill's."""
+    from ggufpy.kernels import attention, batched, matvec
 
-    names = ("_mv_nib_row", "_mv_nib_pairs", "_mv_i8_row", "_mv_i8_pairs", "_unpack_t")
-    return [getattr(matvec, n) for n in names] + [attention._attention]
+    rows = [getattr(batched, n) for n in ("_rows_nib", "_sub_sums", "_rows_i8")]
+    prefill = [getattr(matvec, n) for n in ("_mv_nib_row", "_mv_nib_pairs", "_mv_i8_row", "_mv_i8_pairs", "_unpack_t")]
+    return rows + prefill + [attention._attention]
 
 
 def test_the_listed_kernels_are_those_the_decode_step_calls(quantized_path):
     """After `prepare_kernels` (and its background compiles), prefill and decode compile nothing more: the
-    signatures `row_kernels` lists are the ones `matvec` and `attention` use, so nothing compiles twice."""
+    signatures `row_kernels` lists are the ones the one-row products (`batched.matvec_rows`) and `attention`
+    use, so nothing compiles twice."""
     from ggufpy.cli.run import prepare_kernels
 
     model = ggufpy.load(quantized_path, backend="numba")
@@ -56,7 +59,7 @@ def test_the_listed_kernels_are_those_the_decode_step_calls(quantized_path):
         logits = model.forward(np.asarray([int(np.argmax(logits[-1]))]), cache.length, cache)
     after = {k: set(k.overloads) for k in _kernels()}
     assert after == before
-    assert before[_kernels()[0]] and before[_kernels()[2]]  # the nib and i8 row kernels were prepared
+    assert all(before[k] for k in _kernels()[:3])  # the nib and i8 row kernels and the sums were prepared
 
 
 def test_row_kernels_lists_one_entry_per_kernel_and_types(quantized_path):
@@ -64,7 +67,7 @@ def test_row_kernels_lists_one_entry_per_kernel_and_types(quantized_path):
     w = model.weights
     listed = model.backend.row_kernels([lw.ffn_down for lw in w.layers.values()] + [w.output, None], attention=True)
     kernels = [k.py_func.__name__ for k, _ in listed]
-    assert sorted(kernels) == ["_attention", "_mv_i8_row", "_mv_nib_row"]
+    assert sorted(kernels) == ["_attention", "_rows_i8", "_rows_nib", "_sub_sums"]
     llamacpp = ggufpy.load(quantized_path, backend="numba", numerics="llamacpp")
     assert llamacpp.backend.row_kernels([w.output], attention=True) == []  # its paths are warmed by running them
 

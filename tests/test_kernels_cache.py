@@ -30,7 +30,7 @@ SCRIPT = """
 import json, sys
 import numpy as np
 import ggufpy
-from ggufpy.kernels import matvec, attention
+from ggufpy.kernels import attention, batched, matvec
 from tests.models import smollm2_path
 
 model = ggufpy.load(smollm2_path(), backend="numba")
@@ -40,7 +40,8 @@ out = [model.forward(np.asarray(ids), 0, cache)]
 for _ in range(2):
     out.append(model.forward(np.asarray([int(np.argmax(out[-1][-1]))]), cache.length, cache))
 np.savez(sys.argv[1], *out)
-kernels = [matvec._mv_nib_pairs, matvec._mv_nib_row, matvec._mv_i8_row, attention._attention]
+kernels = [matvec._mv_nib_pairs, matvec._mv_nib_row, batched._rows_nib, batched._rows_i8, batched._sub_sums,
+           attention._attention]
 print(json.dumps({"hits": sum(sum(k.stats.cache_hits.values()) for k in kernels),
                   "misses": sum(sum(k.stats.cache_misses.values()) for k in kernels)}))
 """

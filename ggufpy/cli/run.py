@@ -243,7 +243,8 @@ def prepare_kernels(model, prompt_tokens: int | None = None, out=None) -> float:
             rows = [2 + prompt_tokens % 2] if prompt_tokens > 1 else []
         rows += [] if decode and prompt_tokens is not None else [1]
         if head and any(n % 2 for n in rows):  # row kernels here: not while the worker compiles one (see
-            be.await_compiles(head[0][0])  # `_numba.compile_in_background` on numba's cache index)
+            for kernel, _ in head:  # `_numba.compile_in_background` on numba's cache index)
+                be.await_compiles(kernel)
         stop = model.layers.start + 1 if tiles and len(rows) == 1 else model.layers.stop - (1 if head else 0)
         layers = range(model.layers.start, stop)
         cache = model.new_cache(capacity=sum(rows) + 1)
@@ -252,8 +253,8 @@ def prepare_kernels(model, prompt_tokens: int | None = None, out=None) -> float:
             model.forward(np.full(n, token, dtype=np.int64), cache.length, cache, layers=layers, last_only=True)
         if decode:  # compiled in the worker while the prompt runs (those the prompt's path compiled are skipped)
             be.compile_ahead(decode)
-        if head:
-            be.await_compiles(head[0][0])
+        for kernel, _ in head:
+            be.await_compiles(kernel)
     finally:
         notice.cancel()
     seconds = time.perf_counter() - t0

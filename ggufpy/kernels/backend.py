@@ -33,10 +33,12 @@ from . import ops as kernel_ops
 from ._numba import set_threads
 from .attention import _attention as _attention_kernel
 from .attention import attention as _attention
+from .batched import _sub_sums, matvec_rows
+from .batched import row_kernel as one_row_kernel
 from .compile_ahead import CompileAhead
 from .dequant import dequantize_blocks
 from .experts import ExpertProducts
-from .layout import GROUP, PACKED_TYPES, Packed, pack, trim_heap
+from .layout import FLOAT_TYPES, GROUP, PACKED_TYPES, Packed, pack, trim_heap
 from .matvec import matvec, plan
 from .rawblocks import BLOCK_TYPES
 
@@ -73,7 +75,6 @@ VEC_DOT = {
 # Q1_0 (packed in sub-blocks of 32 for this): once `GGMLType` names it. NVFP4 (vec_dot type Q8_0 too) has no
 # entry: its scales change every 16 elements, within one Q8_0 block, which the activation terms cannot express.
 VEC_DOT |= {GGMLType[name]: act.Q8_0 for name in ("Q1_0",) if name in GGMLType.__members__}
-FLOAT_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16)
 
 
 def linear_types(quantize_activations: bool) -> frozenset[GGMLType]:
@@ -295,8 +296,6 @@ class NumbaBackend(CompileAhead, ExpertProducts):
         return groups
 
     def _product(self, x: np.ndarray, p: Packed, planned: tuple) -> np.ndarray:
-        if self._pending and x.shape[0] == 1 and planned[0] is not None:
-            self.await_compiles(planned[0][0])
         mode = act.EXACT
         if self.numerics.quantize_activations:
             if p.type not in VEC_DOT:
@@ -304,8 +303,16 @@ class NumbaBackend(CompileAhead, ExpertProducts):
             mode = VEC_DOT[p.type]
         if self._use_blas(x.shape[0]):
             return self._blas_linear(x, p, mode)
+        threads = self._threads_for(x.shape[0] * p.rows * p.cols)
+        if mode == act.EXACT and x.shape[0] == 1:
+            # decode: the batched row kernels (bit for bit `matvec`'s one-row kernel, tests/test_batch_rows_split.py)
+            # keep the sums in registers: 1.8-4.4x faster per product than `_mv_*_row` (docs/kernels.md)
+            if self._pending and p.family != "blocks":
+                self.await_compiles(_sub_sums)
+                self.await_compiles(one_row_kernel(p.family, planned[1]))
+            return matvec_rows(p, x, None, planned, threads)
         xv, terms = (x, None) if mode == act.EXACT else act.prepare(x, mode, p.sub, self.x86_activations)
-        return matvec(p, xv, terms, planned=planned, threads=self._threads_for(x.shape[0] * p.rows * p.cols))
+        return matvec(p, xv, terms, planned=planned, threads=threads)
 
     def _stack(self, ws: tuple[QuantTensor, ...]) -> tuple | None:
         """(stacked Packed, its plan, [(first output column, rows)] per weight), or None when `ws` cannot

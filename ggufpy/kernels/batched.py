@@ -31,9 +31,8 @@ from . import rawblocks
 from ._numba import DISABLED, get_threads, jit, prange, use_threads
 from .attention import _attention_rows as _attention_rows_kernel
 from .attention import attention_rows as _attention_rows
-from .backend import FLOAT_TYPES
 from .batched_ir import UNITS, WIDE_BELOW, unit_rows
-from .layout import GROUP, Packed
+from .layout import FLOAT_TYPES, GROUP, Packed
 from .matvec import matvec, plan
 
 __all__ = ["attention_rows", "linears_rows", "matvec_rows", "row_kernel"]

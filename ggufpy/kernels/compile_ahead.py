@@ -15,8 +15,9 @@ from ..weights import QuantTensor
 from . import unpack_numpy
 from ._numba import compile_in_background, load_cached, signature
 from .attention import _attention as _attention_kernel
+from .batched import _sub_sums, row_kernel
 from .layout import GROUP, PACKED_TYPES, Packed
-from .matvec import _FAMILY, _NO_TERMS, _scale_args, _unpack_t, plan, unpack
+from .matvec import _FAMILY, _scale_args, _unpack_t, plan, unpack
 from .rawblocks import BLOCK_TYPES
 
 __all__ = ["CompileAhead"]
@@ -36,8 +37,10 @@ class CompileAhead:
         for w in weights:
             if w is None or w.type not in PACKED_TYPES or len(w.shape) != 2 or w.type in BLOCK_TYPES:
                 continue
-            (row, _), args = plan(self.packed(w))
-            jobs[row, signature((self.threads, *args, one, _NO_TERMS, True, one))] = None
+            p = self.packed(w)
+            _, args = plan(p)  # the exact numerics' one-row product: `batched.matvec_rows`
+            jobs[_sub_sums, signature((one, p.sub, one))] = None
+            jobs[row_kernel(p.family, args), signature((self.threads, *args, one, one, one))] = None
         if attention:
             q = np.zeros((1, 1, 1), np.float32)  # (T, H, E); keys and values (S, G, E) alike
             args = (self.threads, q, q, q, 0, np.float32(1), 0, np.float32(0), q)

@@ -5,11 +5,12 @@
 
 During decode, `Model.block` spends about a third of its time in Python between the kernels (four products,
 attention, two RMSNorms, two RoPEs, the cache write, residual adds, SiLU * up). Here one jitted function
-runs the whole block, calling the *same* compiled kernels as the separate path (the `_mv_*_row` kernel of
-each product's storage family, `nib`/`nib6`/`i8`), with arguments of the same types, in the same order:
+runs the whole block, calling the *same* compiled kernels as the separate path (for each product the
+sub-block sums and the batched row kernel of its storage family, `nib`/`nib6`/`i8`, as `NumbaBackend.linear`
+runs a one-row product: `batched.matvec_rows`), with arguments of the same types, in the same order:
 
-    _rms_norm -> _mv_*_row (stacked Q/K/V) -> _rope (q, k) -> cache write -> _attention -> _mv_*_row (o)
-    -> + h -> _rms_norm -> _mv_*_row (stacked gate/up) -> _silu -> * up -> _mv_*_row (down) -> + h
+    _rms_norm -> _rows_* (stacked Q/K/V) -> _rope (q, k) -> cache write -> _attention -> _rows_* (o)
+    -> + h -> _rms_norm -> _rows_* (stacked gate/up) -> _silu -> * up -> _rows_* (down) -> + h
 
 It calls them at their addresses (`_numba.native`, `call_native`), not as numba functions: numba would link
 each callee into the block and optimize and generate it again (13-18 s on a cold cache, for every family
@@ -37,18 +38,21 @@ from .. import ops
 from ._numba import call_native, compiled_in_background, jit, native
 from .attention import _attention
 from .backend import FLOAT_TYPES, NumbaBackend
+from .batched import _sub_sums, row_kernel
 from .layout import PACKED_TYPES
-from .matvec import _NO_TERMS, plan
+from .matvec import plan
 from .ops import _rms_norm, _rope, _silu
 
 __all__ = ["FusedLayer", "can_fuse", "decode_block", "fused_layer"]
 
 
 @jit(inline=True)
-def _product(fns, keys, slot, nt, w, x, terms, exact, out):
-    """The `_mv_*_row` kernel of weight arguments `w` (`matvec.plan`) at fns[slot]: out = x @ W.T."""
-    args = (nt, w[0], w[1], w[2], w[3], w[4], w[5], w[6], x, terms, exact, out)
-    call_native(fns[slot], keys[slot], args)
+def _product(fns, keys, slot, nt, w, x, out):
+    """`batched.matvec_rows` of weight arguments `w` (`matvec.plan`), as `NumbaBackend.linear` runs it for one
+    row: the sub-block sums of x, then the family's row kernel at fns[slot]; out (N, G*64) = x @ W.T."""
+    sums = np.empty((x.shape[0], w[0].shape[1]), np.float32)
+    call_native(fns[SUMS], keys[SUMS], (x, w[0].shape[2], sums))
+    call_native(fns[slot], keys[slot], (nt, w[0], w[1], w[2], w[3], w[4], w[5], w[6], x, sums, out))
 
 
 # Compile `_block` on a background thread the first time (seconds, on a cold numba cache) and run the layers
@@ -56,7 +60,7 @@ def _product(fns, keys, slot, nt, w, x, terms, exact, out):
 BACKGROUND = True
 
 # slots of the kernel addresses a block calls (`FusedLayer.fns`): the products, then the glue
-QKV0, QKV1, QKV2, GU0, GU1, OUT, DOWN, ATTN, NORM, ROPE, SILU = range(11)
+QKV0, QKV1, QKV2, GU0, GU1, OUT, DOWN, ATTN, NORM, ROPE, SILU, SUMS = range(12)
 
 
 @jit
@@ -79,8 +83,6 @@ def _block(
     gu_map,
     wo,
     wd,
-    terms,
-    exact,
     cos,
     sin,
     neox,
@@ -103,15 +105,15 @@ def _block(
     x = np.empty((1, D), np.float32)
     call_native(fns[NORM], keys[NORM], (h, attn_norm, eps, x))
     y0 = np.empty((1, s0[0].shape[0] * 64), np.float32)
-    _product(fns, keys, QKV0, nt, s0, x, terms, exact, y0)
+    _product(fns, keys, QKV0, nt, s0, x, y0)
     y1 = y0
     y2 = y0
     if n_qkv > 1:
         y1 = np.empty((1, s1[0].shape[0] * 64), np.float32)
-        _product(fns, keys, QKV1, nt, s1, x, terms, exact, y1)
+        _product(fns, keys, QKV1, nt, s1, x, y1)
     if n_qkv > 2:
         y2 = np.empty((1, s2[0].shape[0] * 64), np.float32)
-        _product(fns, keys, QKV2, nt, s2, x, terms, exact, y2)
+        _product(fns, keys, QKV2, nt, s2, x, y2)
     q = np.empty((1, n_heads, head_dim), np.float32)
     k = np.empty((1, n_kv, head_dim), np.float32)
     v = np.empty((1, n_kv, head_dim), np.float32)
@@ -147,7 +149,7 @@ def _block(
     # reads keys 0..pos only
     call_native(fns[ATTN], keys[ATTN], (nt, qr, kc, vc, pos, scale, window, softcap, attn))
     yo = np.empty((1, wo[0].shape[0] * 64), np.float32)
-    _product(fns, keys, OUT, nt, wo, attn.reshape(1, Q), terms, exact, yo)
+    _product(fns, keys, OUT, nt, wo, attn.reshape(1, Q), yo)
     h1 = np.empty((1, D), np.float32)
     for c in range(D):
         h1[0, c] = h[0, c] + yo[0, c]
@@ -156,11 +158,11 @@ def _block(
     x2 = np.empty((1, D), np.float32)
     call_native(fns[NORM], keys[NORM], (h1, ffn_norm, eps, x2))
     z0 = np.empty((1, g0[0].shape[0] * 64), np.float32)
-    _product(fns, keys, GU0, nt, g0, x2, terms, exact, z0)
+    _product(fns, keys, GU0, nt, g0, x2, z0)
     z1 = z0
     if n_gu > 1:
         z1 = np.empty((1, g1[0].shape[0] * 64), np.float32)
-        _product(fns, keys, GU1, nt, g1, x2, terms, exact, z1)
+        _product(fns, keys, GU1, nt, g1, x2, z1)
     gate = np.empty(hidden, np.float32)
     src = z0 if gu_map[0, 0] == 0 else z1
     lo = gu_map[0, 1]
@@ -174,7 +176,7 @@ def _block(
     for c in range(hidden):
         prod[0, c] = act[c] * src[0, lo + c]
     yd = np.empty((1, wd[0].shape[0] * 64), np.float32)
-    _product(fns, keys, DOWN, nt, wd, prod, terms, exact, yd)
+    _product(fns, keys, DOWN, nt, wd, prod, yd)
     out = np.empty((1, D), np.float32)
     for c in range(D):
         out[0, c] = h1[0, c] + yd[0, c]
@@ -230,34 +232,59 @@ def _f32(ndim: int) -> np.ndarray:
     return np.empty((1,) * ndim, np.float32)
 
 
-def _row_native(kernel, args: tuple) -> tuple[int, int]:
-    """`native` of a `_mv_*_row` kernel for weight arguments `args`, as `_product` calls it."""
-    return native(kernel, (1, *args, _f32(2), _NO_TERMS, True, _f32(2)))
+def _rows_native(family: str, args: tuple) -> tuple[int, int]:
+    """`native` of the batched row kernel of `family` for weight arguments `args`, as `_product` calls it."""
+    kernel = row_kernel(family, args) if len(args) == 7 else None
+    if kernel is None:
+        raise _Unfusable
+    return native(kernel, (1, *args, _f32(2), _f32(2), _f32(2)))
 
 
 @functools.cache
 def _glue_natives() -> list[tuple[int, int]]:
-    """`native` of attention, RMSNorm, RoPE and SiLU (slots ATTN, NORM, ROPE, SILU), as `_block` calls them
-    and as `Model.block` does through `NumbaBackend` (the same argument types)."""
+    """`native` of attention, RMSNorm, RoPE, SiLU and the sub-block sums (slots ATTN, NORM, ROPE, SILU, SUMS),
+    as `_block` calls them and as `Model.block` does through `NumbaBackend` (the same argument types)."""
     attention = (1, _f32(3), _f32(3), _f32(3), 0, np.float32(1), 0, np.float32(0), _f32(3))
     return [
         native(_attention, attention),
         native(_rms_norm, (_f32(2), _f32(1), np.float32(1e-6), _f32(2))),
         native(_rope, (_f32(3), _f32(2), _f32(2), True, _f32(3))),
         native(_silu, (_f32(1), _f32(1))),
+        native(_sub_sums, (_f32(2), 1, _f32(2))),
     ]
 
 
 class _Unfusable(Exception):
-    """A weight whose storage family has no `_mv_*_row` kernel (e.g. "blocks": `rawblocks.py`)."""
+    """A weight whose storage family has no batched row kernel (`batched.row_kernel`; e.g. "blocks")."""
 
 
-def _row_kernel(planned):
-    """The one-row kernel of a `matvec.plan`, for `_product`'s argument list (kernel, 7 weight arguments)."""
-    kernels, args = planned
-    if kernels is None or len(args) != 7:
-        raise _Unfusable
-    return kernels[0]
+def _planned(backend, w):
+    """(storage family, weight arguments) of one product, from the backend's own `matvec.plan`."""
+    p = backend.packed(w)
+    planned = backend._plans.get(w)
+    if planned is None:
+        planned = backend._plans[w] = plan(p)
+    return p.family, planned[1]
+
+
+def _slots(backend, ws):
+    """[(family, weight arguments)] per product and (len(ws), 2) int64 [slot, first column] per weight, from
+    the same stacks `NumbaBackend.linears` uses (made here if it has not made them yet)."""
+    groups = backend._stacks.get(ws)
+    if groups is None:
+        groups = backend._stacks[ws] = backend._stack_groups(ws)
+    slots, where = [], np.zeros((len(ws), 2), np.int64)
+    for members, stack in groups:
+        if stack is None:
+            (i,) = members
+            slots.append(_planned(backend, ws[i]))
+            where[i] = (len(slots) - 1, 0)
+            continue
+        p, planned, spans = stack
+        slots.append((p.family, planned[1]))
+        for i, (lo, _rows) in zip(members, spans, strict=True):
+            where[i] = (len(slots) - 1, lo)
+    return slots, where
 
 
 class FusedLayer:
@@ -265,16 +292,15 @@ class FusedLayer:
 
     def __init__(self, config, w, backend: NumbaBackend):
         self.w = w  # keeps the LayerWeights alive while this entry is keyed by its id
-        qkv_slots, self.qkv_map = self._slots(backend, (w.attn_q, w.attn_k, w.attn_v))
-        gu_slots, self.gu_map = self._slots(backend, (w.ffn_gate, w.ffn_up))
+        qkv_slots, self.qkv_map = _slots(backend, (w.attn_q, w.attn_k, w.attn_v))
+        gu_slots, self.gu_map = _slots(backend, (w.ffn_gate, w.ffn_up))
         self.n_qkv, self.n_gu = len(qkv_slots), len(gu_slots)
         # unused slots repeat slot 0 (never called)
         qkv_slots += [qkv_slots[0]] * (3 - len(qkv_slots))
         gu_slots += [gu_slots[0]] * (2 - len(gu_slots))
         self.qkv_args = tuple(args for _, args in qkv_slots)
         self.gu_args = tuple(args for _, args in gu_slots)
-        out_slot = self._single(backend, w.attn_output)
-        down_slot = self._single(backend, w.ffn_down)
+        out_slot, down_slot = _planned(backend, w.attn_output), _planned(backend, w.ffn_down)
         self.wo, self.wd = out_slot[1], down_slot[1]
         self.o_rows = w.attn_output.shape[0]
         self.attn_norm = np.ascontiguousarray(w.attn_norm, np.float32)
@@ -284,42 +310,13 @@ class FusedLayer:
         self.n_heads, self.n_kv, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
         self.hidden = w.ffn_gate.shape[0]
         self.scale = np.float32(np.float32(1.0) / np.sqrt(np.float32(config.head_dim)))  # as Model.block
-        # the kernels' addresses in slot order (QKV0..DOWN, then ATTN, NORM, ROPE, SILU), compiled (or loaded
-        # from the disk cache) for the very argument types `_block` passes
-        natives = [_row_native(kernel, args) for kernel, args in (*qkv_slots, *gu_slots, out_slot, down_slot)]
+        # the kernels' addresses in slot order (QKV0..DOWN, then ATTN, NORM, ROPE, SILU, SUMS), compiled (or
+        # loaded from the disk cache) for the very argument types `_block` passes
+        natives = [_rows_native(*slot) for slot in (*qkv_slots, *gu_slots, out_slot, down_slot)]
         natives += _glue_natives()
         self.fns = np.array([address for address, _ in natives], np.int64)
         self.keys = np.array([key for _, key in natives], np.int64)
         self.ready = False  # whether `_block` is compiled for this layer's argument types
-
-    @staticmethod
-    def _single(backend: NumbaBackend, w):
-        """(row kernel, weight arguments) of one product (`matvec.plan`)."""
-        p = backend.packed(w)
-        planned = backend._plans.get(w)
-        if planned is None:
-            planned = backend._plans[w] = plan(p)
-        return _row_kernel(planned), planned[1]
-
-    @staticmethod
-    def _slots(backend: NumbaBackend, ws):
-        """[(row kernel, weight arguments)] per product and (len(ws), 2) int64 [slot, first column] per
-        weight, from the same stacks `NumbaBackend.linears` uses (made here if it has not made them yet)."""
-        groups = backend._stacks.get(ws)
-        if groups is None:
-            groups = backend._stacks[ws] = backend._stack_groups(ws)
-        slots, where = [], np.zeros((len(ws), 2), np.int64)
-        for members, stack in groups:
-            if stack is None:
-                (i,) = members
-                slots.append(FusedLayer._single(backend, ws[i]))
-                where[i] = (len(slots) - 1, 0)
-                continue
-            _p, planned, spans = stack
-            slots.append((_row_kernel(planned), planned[1]))
-            for i, (lo, _rows) in zip(members, spans, strict=True):
-                where[i] = (len(slots) - 1, lo)
-        return slots, where
 
     def __call__(self, backend: NumbaBackend, h: np.ndarray, pos: int, cos, sin, kc, vc) -> np.ndarray | None:
         """The block's output, or None while `_block` is still compiling for these argument types."""
@@ -340,8 +337,6 @@ class FusedLayer:
             self.gu_map,
             self.wo,
             self.wd,
-            _NO_TERMS,
-            True,
             cos,
             sin,
             self.neox,

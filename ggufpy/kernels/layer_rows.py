@@ -35,27 +35,32 @@ import numpy as np
 
 from ._numba import DISABLED, call_native, compiled_in_background, jit, native
 from .attention import _attention_rows
-from .batched import _sub_sums, row_kernel
 from .batched_ir import carray, f32_pointer
-from .layer import _glue_natives, can_fuse
-from .matvec import plan
+from .layer import (
+    ATTN,
+    DOWN,
+    GU0,
+    GU1,
+    NORM,
+    OUT,
+    QKV0,
+    QKV1,
+    QKV2,
+    ROPE,
+    SILU,
+    _glue_natives,
+    _planned,
+    _product,
+    _rows_native,
+    _slots,
+    _Unfusable,
+    can_fuse,
+)
 
 __all__ = ["FusedRows", "decode_rows", "fused_rows"]
 
 # Compile `_block_rows` in the background the first time and run `Model.block_rows` meanwhile (same values).
 BACKGROUND = True
-
-# slots of the kernel addresses a block calls (`FusedRows.fns`): the products, then the glue
-QKV0, QKV1, QKV2, GU0, GU1, OUT, DOWN, ATTN, NORM, ROPE, SILU, SUMS = range(12)
-
-
-@jit(inline=True)
-def _product(fns, keys, slot, nt, w, x, out):
-    """`batched.matvec_rows` of weight arguments `w` (`matvec.plan`): each row's sub-block sums, then the
-    family's row kernel at fns[slot]; out (N, G*64) = x @ W.T."""
-    sums = np.empty((x.shape[0], w[0].shape[1]), np.float32)
-    call_native(fns[SUMS], keys[SUMS], (x, w[0].shape[2], sums))
-    call_native(fns[slot], keys[slot], (nt, w[0], w[1], w[2], w[3], w[4], w[5], w[6], x, sums, out))
 
 
 @jit(inline=True)
@@ -189,53 +194,11 @@ def _f32(ndim: int) -> np.ndarray:
 
 
 @functools.cache
-def _rows_glue_natives() -> list[tuple[int, int]]:
-    """`native` of the batched attention and the sub-block sums (slots ATTN, SUMS), as `_block_rows` calls
-    them and as the rows path does (`batched.attention_rows`, `batched.matvec_rows`)."""
+def _rows_attention_native() -> tuple[int, int]:
+    """`native` of the batched attention (slot ATTN), as `_block_rows` calls it and as the rows path does
+    (`batched.attention_rows`); the other slots are `layer.py`'s, with the same kernels."""
     i64 = np.empty(1, np.int64)
-    attention = (1, _f32(3), i64, i64, i64, 1, np.float32(1), 0, np.float32(0), _f32(3))
-    return [native(_attention_rows, attention), native(_sub_sums, (_f32(2), 1, _f32(2)))]
-
-
-class _Unfusable(Exception):
-    """A weight whose storage family has no batched row kernel (`batched.row_kernel`)."""
-
-
-def _planned(backend, w):
-    """(storage family, weight arguments) of one product, from the backend's own `matvec.plan`."""
-    p = backend.packed(w)
-    planned = backend._plans.get(w)
-    if planned is None:
-        planned = backend._plans[w] = plan(p)
-    return p.family, planned[1]
-
-
-def _slots(backend, ws):
-    """[(family, weight arguments)] per product and (len(ws), 2) int64 [slot, first column] per weight, from
-    the stacks `batched.linears_rows` uses (made here if it has not made them yet)."""
-    groups = backend._stacks.get(ws)
-    if groups is None:
-        groups = backend._stacks[ws] = backend._stack_groups(ws)
-    slots, where = [], np.zeros((len(ws), 2), np.int64)
-    for members, stack in groups:
-        if stack is None:
-            (i,) = members
-            slots.append(_planned(backend, ws[i]))
-            where[i] = (len(slots) - 1, 0)
-            continue
-        p, planned, spans = stack
-        slots.append((p.family, planned[1]))
-        for i, (lo, _rows) in zip(members, spans, strict=True):
-            where[i] = (len(slots) - 1, lo)
-    return slots, where
-
-
-def _rows_native(family: str, args: tuple) -> tuple[int, int]:
-    """`native` of the batched row kernel of `family` for weight arguments `args`, as `_product` calls it."""
-    kernel = row_kernel(family, args) if len(args) == 7 else None
-    if kernel is None:
-        raise _Unfusable
-    return native(kernel, (1, *args, _f32(2), _f32(2), _f32(2)))
+    return native(_attention_rows, (1, _f32(3), i64, i64, i64, 1, np.float32(1), 0, np.float32(0), _f32(3)))
 
 
 class FusedRows:
@@ -261,8 +224,7 @@ class FusedRows:
         self.macs = self.hidden * w.ffn_down.shape[0]
         self.scale = np.float32(np.float32(1.0) / np.sqrt(np.float32(config.head_dim)))  # as Model.attention
         natives = [_rows_native(*slot) for slot in (*qkv_slots, *gu_slots, out_slot, down_slot)]
-        attention, sums = _rows_glue_natives()
-        natives += [attention, *_glue_natives()[1:], sums]  # ATTN, NORM, ROPE, SILU, SUMS
+        natives += [_rows_attention_native(), *_glue_natives()[1:]]  # ATTN, NORM, ROPE, SILU, SUMS
         self.fns = np.array([address for address, _ in natives], np.int64)
         self.keys = np.array([key for _, key in natives], np.int64)
         self.ready = False  # whether `_block_rows` is compiled for this layer's argument types

@@ -247,6 +247,7 @@ _RECIPES: dict[GGMLType, _Recipe] = {
     GGMLType.IQ4_XS: _Recipe(_split_iq4_xs, "i8", "super", 32, 0),
 }
 PACKED_TYPES = frozenset(_RECIPES) | frozenset(BLOCK_TYPES)
+FLOAT_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16)  # multiplied as stored, not packed
 _VALUE_BYTES = {"nib": 32, "nib6": 48, "i8": 64}
 _VALUE_DTYPE = {"nib": np.uint8, "nib6": np.uint8, "i8": np.int8}
 
