@@ -16,7 +16,7 @@ from ggufpy.constants import GGMLType
 from ggufpy.kernels import layer
 from ggufpy.kernels._numba import DISABLED
 from ggufpy.quants import quant_type
-from tests.models import smollm2_path
+from tests.models import gemma3_path, smollm2_path
 
 PROMPT = [5, 17, 3, 42, 9]
 N_DECODE = 8
@@ -178,21 +178,37 @@ def test_falls_back(tiny_dir):
     )
 
 
-def test_gemma_falls_back(tiny_dir):
-    """An architecture with post-norms and Q/K norms is left to Model.block (and decodes the same)."""
+@pytest.mark.parametrize("arch", ["gemma3", "qwen3", "gemma"])
+def test_optional_steps_bit_identical(tiny_dir, arch):
+    """Q/K norms per head (qwen3, gemma3), Q scaled after RoPE and GELU (gemma, gemma3), post-norms and a
+    sliding window on the local layers (gemma3: 2 of its 7 layers are global; the window of 4 is shorter than
+    the decode, so it cuts keys off) all go through the fused call, bit for bit `Model.block`."""
+    if DISABLED:
+        pytest.skip("plain Python kernels (NUMBA_DISABLE_JIT): covered by the llama cases")
+    gemma3 = arch == "gemma3"
     spec = TinyLlama(
-        arch="gemma3",
+        arch=arch,
         dim=256,
         hidden_dim=512,
-        n_layers=2,
+        n_layers=7 if gemma3 else 2,
         n_heads=4,
         n_kv_heads=2,
         tied_output=True,
-        types=uniform(GGMLType.Q8_0),
+        sliding_window=4 if gemma3 else None,
+        types={**uniform(GGMLType.Q4_0), "attn_v": GGMLType.Q8_0, "embd": GGMLType.Q8_0},
     )
-    path = write_tiny_llama(tiny_dir / "gemma3.gguf", spec)
+    path = write_tiny_llama(tiny_dir / f"{arch}.gguf", spec)
     model = ggufpy.load(path, backend="numba", tokenizer=False)
-    assert not layer.can_fuse(model.config, model.weights.layers[0], model.backend)
+    assert layer.can_fuse(model.config, model.weights.layers[0], model.backend)
+    if gemma3:
+        assert [model.config.window(i) for i in range(7)] == [4] * 5 + [None] + [4]
+    assert_same(path)
+
+
+def test_gemma3_bit_identical():
+    if DISABLED:
+        pytest.skip("Gemma 3 in plain Python kernels (NUMBA_DISABLE_JIT) takes minutes")
+    assert_same(gemma3_path())
 
 
 def test_background_switch(tiny_dir, monkeypatch):

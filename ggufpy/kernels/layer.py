@@ -23,8 +23,9 @@ Attention gets the whole cache arrays: the kernel only reads keys 0..pos, so thi
 as on the cache's view of positions 0..pos, without a copy.
 
 Scope (`can_fuse`): NumbaBackend with the exact numerics, packed (quantized) weights, no Q/K/V biases, no
-per-head Q/K norms, no post-norms, no softcaps, no sliding window, no Q scaling, SiLU. Everything else
-(and T > 1, and tracing) goes through `Model.block`.
+attention softcap, no residual scale, SiLU or GELU (tanh); with or without per-head Q/K norms (qwen3, gemma3),
+post-norms and Q scaling (gemma2/3), a sliding window. Everything else (and T > 1, and tracing) goes through
+`Model.block`.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from .backend import FLOAT_TYPES, NumbaBackend
 from .batched import _sub_sums, row_kernel
 from .layout import PACKED_TYPES
 from .matvec import plan
-from .ops import _rms_norm, _rope, _silu
+from .ops import _gelu_tanh, _rms_norm, _rope, _silu
 
 __all__ = ["FusedLayer", "can_fuse", "decode_block", "fused_layer"]
 
@@ -94,9 +95,18 @@ def _block(
     head_dim,
     scale,
     hidden,
+    q_norm,
+    k_norm,
+    q_scale,
+    window,
+    post_attn_norm,
+    post_ffw_norm,
 ):
     """The block for one token. Each kernel is called at its address (fns[slot], keys[slot]: `native`), so
-    this function compiles without the kernels' code and they run as the very code `Model.block` calls."""
+    this function compiles without the kernels' code and they run as the very code `Model.block` calls.
+    Optional steps (`Model.attention`, `Model._residual`), each off with an empty weight or a 0: Q/K norms per
+    head (qwen3, gemma3), Q scaled after RoPE (gemma's `scale_q`), a sliding window, norms on each branch's
+    output (gemma2/3's post-norms)."""
     D = h.shape[1]
     Q = n_heads * head_dim
     K = n_kv * head_dim
@@ -133,10 +143,21 @@ def _block(
         else:
             for c in range(K):
                 vf[c] = src[0, lo + c]
+    if q_norm.shape[0] > 0:  # RMSNorm of each head's row, as `rms_norm` of (1, H, E) reshaped to (H, E)
+        qn = np.empty_like(q)
+        kn = np.empty_like(k)
+        call_native(fns[NORM], keys[NORM], (q.reshape(n_heads, head_dim), q_norm, eps, qn.reshape(n_heads, head_dim)))
+        call_native(fns[NORM], keys[NORM], (k.reshape(n_kv, head_dim), k_norm, eps, kn.reshape(n_kv, head_dim)))
+        q = qn
+        k = kn
     qr = np.empty_like(q)
     kr = np.empty_like(k)
     call_native(fns[ROPE], keys[ROPE], (q, cos, sin, neox, qr))
     call_native(fns[ROPE], keys[ROPE], (k, cos, sin, neox, kr))
+    if q_scale != 0:  # q * (1/sqrt(E)) in f32 after RoPE, the attention's own scale then 1 (`Model.attention`)
+        for hd in range(n_heads):
+            for e in range(head_dim):
+                qr[0, hd, e] = qr[0, hd, e] * q_scale
     # cache.update, element by element: an array assignment `kc[pos] = kr[0]` would compile numba's
     # shape-mismatch message formatting (string joins, seconds of compile time)
     for g in range(n_kv):
@@ -144,12 +165,12 @@ def _block(
             kc[pos, g, e] = kr[0, g, e]
             vc[pos, g, e] = v[0, g, e]
     attn = np.empty((1, n_heads, head_dim), np.float32)
-    window = np.int64(0)
     softcap = np.float32(0.0)
-    # reads keys 0..pos only
+    # reads keys 0..pos only (pos-window+1..pos with a window)
     call_native(fns[ATTN], keys[ATTN], (nt, qr, kc, vc, pos, scale, window, softcap, attn))
     yo = np.empty((1, wo[0].shape[0] * 64), np.float32)
     _product(fns, keys, OUT, nt, wo, attn.reshape(1, Q), yo)
+    yo = _post_norm(fns, keys, yo, post_attn_norm, eps, D)
     h1 = np.empty((1, D), np.float32)
     for c in range(D):
         h1[0, c] = h[0, c] + yo[0, c]
@@ -177,10 +198,24 @@ def _block(
         prod[0, c] = act[c] * src[0, lo + c]
     yd = np.empty((1, wd[0].shape[0] * 64), np.float32)
     _product(fns, keys, DOWN, nt, wd, prod, yd)
+    yd = _post_norm(fns, keys, yd, post_ffw_norm, eps, D)
     out = np.empty((1, D), np.float32)
     for c in range(D):
         out[0, c] = h1[0, c] + yd[0, c]
     return out
+
+
+@jit(inline=True)
+def _post_norm(fns, keys, y, weight, eps, D):
+    """y (1, >= D) as `Model._residual` adds it: RMSNorm of its first D columns where there is a weight."""
+    if weight.shape[0] == 0:
+        return y
+    branch = np.empty((1, D), np.float32)
+    for c in range(D):
+        branch[0, c] = y[0, c]
+    normed = np.empty((1, D), np.float32)
+    call_native(fns[NORM], keys[NORM], (branch, weight, eps, normed))
+    return normed
 
 
 def can_fuse(config, w, backend) -> bool:
@@ -189,30 +224,22 @@ def can_fuse(config, w, backend) -> bool:
     if type(backend) is not NumbaBackend:
         return False
     nm = backend.numerics
+    arch = config.arch
     if (
         nm.quantize_activations
         or nm.attention is not ops.attention
         or nm.rope is not ops.rope
-        or nm.activations.get("silu") is not ops.silu
+        or nm.activations.get(arch.activation) is not ops.ACTIVATIONS.get(arch.activation)
+        or arch.activation not in ACTIVATION_KERNELS
         or nm.kv_dtype != np.float32
         or (backend.blas_rows is not None and backend.blas_rows <= 1)
     ):
         return False
-    arch = config.arch
-    if arch.activation != "silu" or arch.scale_q or config.attn_softcap:
+    if config.attn_softcap or config.residual_scale or arch.qk_norm_span != "head":
         return False
-    if any(
-        getattr(w, name, None) is not None
-        for name in (
-            "attn_q_bias",
-            "attn_k_bias",
-            "attn_v_bias",
-            "attn_q_norm",
-            "attn_k_norm",
-            "post_attention_norm",
-            "post_ffw_norm",
-        )
-    ):
+    if any(getattr(w, name, None) is not None for name in ("attn_q_bias", "attn_k_bias", "attn_v_bias")):
+        return False
+    if (w.attn_q_norm is None) != (w.attn_k_norm is None):
         return False
     mats = (w.attn_q, w.attn_k, w.attn_v, w.attn_output, w.ffn_gate, w.ffn_up, w.ffn_down)
     if any(m.type in FLOAT_TYPES or m.type not in PACKED_TYPES or len(m.shape) != 2 for m in mats):
@@ -224,6 +251,16 @@ def can_fuse(config, w, backend) -> bool:
         and w.attn_v.shape[0] == K
         and w.attn_output.shape[1] == Q
         and w.ffn_gate.shape[0] == w.ffn_up.shape[0] == w.ffn_down.shape[1]
+    )
+
+
+def plain_block(config, w) -> bool:
+    """Whether layer `w` has none of the optional steps (SiLU, no Q/K norms, no Q scaling, no post-norms): the
+    scope of the batched block, `layer_rows.py`, which `can_fuse` alone would widen."""
+    return (
+        config.arch.activation == "silu"
+        and not config.arch.scale_q
+        and all(getattr(w, n) is None for n in ("attn_q_norm", "attn_k_norm", "post_attention_norm", "post_ffw_norm"))
     )
 
 
@@ -240,16 +277,21 @@ def _rows_native(family: str, args: tuple) -> tuple[int, int]:
     return native(kernel, (1, *args, _f32(2), _f32(2), _f32(2)))
 
 
+# the activation kernels `Model.feed_forward` runs through `NumbaBackend.compiled` (slot SILU holds the layer's)
+ACTIVATION_KERNELS = {"silu": _silu, "gelu_tanh": _gelu_tanh}
+
+
 @functools.cache
-def _glue_natives() -> list[tuple[int, int]]:
-    """`native` of attention, RMSNorm, RoPE, SiLU and the sub-block sums (slots ATTN, NORM, ROPE, SILU, SUMS),
-    as `_block` calls them and as `Model.block` does through `NumbaBackend` (the same argument types)."""
+def _glue_natives(activation: str = "silu") -> list[tuple[int, int]]:
+    """`native` of attention, RMSNorm, RoPE, the activation and the sub-block sums (slots ATTN, NORM, ROPE,
+    SILU, SUMS), as `_block` calls them and as `Model.block` does through `NumbaBackend` (the same argument
+    types)."""
     attention = (1, _f32(3), _f32(3), _f32(3), 0, np.float32(1), 0, np.float32(0), _f32(3))
     return [
         native(_attention, attention),
         native(_rms_norm, (_f32(2), _f32(1), np.float32(1e-6), _f32(2))),
         native(_rope, (_f32(3), _f32(2), _f32(2), True, _f32(3))),
-        native(_silu, (_f32(1), _f32(1))),
+        native(ACTIVATION_KERNELS[activation], (_f32(1), _f32(1))),
         native(_sub_sums, (_f32(2), 1, _f32(2))),
     ]
 
@@ -309,16 +351,26 @@ class FusedLayer:
         self.neox = config.arch.rope_style != "norm"
         self.n_heads, self.n_kv, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
         self.hidden = w.ffn_gate.shape[0]
-        self.scale = np.float32(np.float32(1.0) / np.sqrt(np.float32(config.head_dim)))  # as Model.block
+        # as Model.attention: 1.0f/sqrtf(E) or the file's attention.scale; with `scale_q` Q is scaled instead
+        inv_sqrt = np.float32(np.float32(1.0) / np.sqrt(np.float32(config.head_dim)))
+        self.q_scale = inv_sqrt if config.arch.scale_q else np.float32(0.0)
+        self.scale = np.float32(1.0) if config.arch.scale_q else np.float32(config.attention_scale or inv_sqrt)
+        none = np.zeros(0, np.float32)
+        self.q_norm, self.k_norm, self.post_attn_norm, self.post_ffw_norm = (
+            none if a is None else np.ascontiguousarray(a, np.float32)
+            for a in (w.attn_q_norm, w.attn_k_norm, w.post_attention_norm, w.post_ffw_norm)
+        )
         # the kernels' addresses in slot order (QKV0..DOWN, then ATTN, NORM, ROPE, SILU, SUMS), compiled (or
         # loaded from the disk cache) for the very argument types `_block` passes
         natives = [_rows_native(*slot) for slot in (*qkv_slots, *gu_slots, out_slot, down_slot)]
-        natives += _glue_natives()
+        natives += _glue_natives(config.arch.activation)
         self.fns = np.array([address for address, _ in natives], np.int64)
         self.keys = np.array([key for _, key in natives], np.int64)
         self.ready = False  # whether `_block` is compiled for this layer's argument types
 
-    def __call__(self, backend: NumbaBackend, h: np.ndarray, pos: int, cos, sin, kc, vc) -> np.ndarray | None:
+    def __call__(
+        self, backend: NumbaBackend, h: np.ndarray, pos: int, cos, sin, kc, vc, window: int
+    ) -> np.ndarray | None:
         """The block's output, or None while `_block` is still compiling for these argument types."""
         nt = backend._threads_for(self.hidden * self.o_rows)  # one count for the whole call
         args = (
@@ -348,6 +400,12 @@ class FusedLayer:
             self.head_dim,
             self.scale,
             self.hidden,
+            self.q_norm,
+            self.k_norm,
+            self.q_scale,
+            window,
+            self.post_attn_norm,
+            self.post_ffw_norm,
         )
         if not self.ready:
             self.ready = compiled_in_background(_block, args, wait=not BACKGROUND)
@@ -381,7 +439,7 @@ def decode_block(backend, config, w, i: int, h: np.ndarray, pos: int, cos, sin, 
     """`Model.block(h, i, pos, cos, sin, cache)` for one token in one compiled call, bit-identical; writes
     K and V of position `pos` into `cache` like `cache.update`. Returns None (nothing computed, nothing
     written) when this layer or call cannot be fused: then call `Model.block`."""
-    if h.shape[0] != 1 or config.window(i) is not None:
+    if h.shape[0] != 1:
         return None
     layer = fused_layer(backend, config, w)
     if layer is None:
@@ -394,4 +452,4 @@ def decode_block(backend, config, w, i: int, h: np.ndarray, pos: int, cos, sin, 
     h = np.ascontiguousarray(h, np.float32)
     cos = np.ascontiguousarray(cos, np.float32)
     sin = np.ascontiguousarray(sin, np.float32)
-    return layer(backend, h, int(pos), cos, sin, kc, vc)
+    return layer(backend, h, int(pos), cos, sin, kc, vc, int(config.window(i) or 0))

@@ -19,10 +19,10 @@ bit for bit the rows path's: batch invariance (row b is the one-token forward pa
 Like the rows path, every row's K and V are written before the attention reads them: a row reads its cache's
 positions 0..its own only, so a prompt chunk's rows (several rows of one cache) work too.
 
-Scope: `layer.can_fuse` (NumbaBackend, exact numerics, packed weights of the nib/nib6/i8 families, plain
-llama-style blocks), no sliding window, f32 C-contiguous caches (`KVCache`, not `Q8Cache`). The rest goes
-through `Model.block_rows`. The block compiles in the background (`BACKGROUND`, as `layer.py`); None until
-it is ready.
+Scope: `layer.can_fuse` and `layer.plain_block` (NumbaBackend, exact numerics, packed weights of the nib/nib6/i8
+families, plain llama-style blocks: no Q/K norms, post-norms or Q scaling, SiLU), no sliding window, f32
+C-contiguous caches (`KVCache`, not `Q8Cache`). The rest goes through `Model.block_rows`. The block compiles in the
+background (`BACKGROUND`, as `layer.py`); None until it is ready.
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ from .layer import (
     _slots,
     _Unfusable,
     can_fuse,
+    plain_block,
 )
 
 __all__ = ["FusedRows", "decode_rows", "fused_rows"]
@@ -283,7 +284,7 @@ def fused_rows(backend, config, w, i: int) -> FusedRows | None:
     if entry is None or (entry is not False and entry.w is not w):
         entry = False
         plain = config.fused_block(i) and config.window(i) is None and not _has_block_types(w)
-        if plain and can_fuse(config, w, backend):
+        if plain and can_fuse(config, w, backend) and plain_block(config, w):  # (the one-row block does more)
             try:
                 entry = FusedRows(config, w, backend)
             except _Unfusable:
