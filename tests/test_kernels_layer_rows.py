@@ -150,7 +150,7 @@ def test_one_row(tiny_dir):
 
 def test_falls_back(tiny_dir):
     """Outside the scope the call returns None and writes nothing: other numerics, the NumPy backend, float
-    weights, a Q8_0 KV cache; gemma3's block (post-norms, Q/K norms) is left to `block_rows`."""
+    weights, a Q8_0 KV cache."""
     path = tiny(tiny_dir, "Q4_0")
     h = np.ones((2, 256), np.float32)
 
@@ -172,12 +172,40 @@ def test_falls_back(tiny_dir):
     floats = write_tiny_llama(tiny_dir / "f32.gguf", TinyLlama(**{**vars(spec), "types": uniform(GGMLType.F32)}))
     f32 = ggufpy.load(floats, backend="numba", tokenizer=False)
     assert fused(f32, [f32.new_cache(capacity=4) for _ in range(2)]) is None
-    gemma = TinyLlama(
-        arch="gemma3", dim=256, hidden_dim=512, n_layers=2, n_heads=4, n_kv_heads=2, tied_output=True,
-        types=uniform(GGMLType.Q8_0),
+
+
+def optional_steps_model(tiny_dir, arch: str):
+    """A gemma3 (Q/K norms, Q scaling, GELU, post-norms; a window of 4 on 6 of its 7 layers, shorter than the
+    prompts), qwen3 (Q/K norms) or gemma (Q scaling, GELU) fixture."""
+    gemma3 = arch == "gemma3"
+    spec = TinyLlama(
+        arch=arch, dim=256, hidden_dim=512, n_layers=7 if gemma3 else 2, n_heads=4, n_kv_heads=2, tied_output=True,
+        sliding_window=4 if gemma3 else None,
+        types={**uniform(GGMLType.Q4_0), "attn_v": GGMLType.Q8_0, "embd": GGMLType.Q8_0},
     )  # fmt: skip
-    g = ggufpy.load(write_tiny_llama(tiny_dir / "gemma3.gguf", gemma), backend="numba", tokenizer=False)
-    assert layer_rows.fused_rows(g.backend, g.config, g.weights.layers[0], 0) is None
+    return write_tiny_llama(tiny_dir / f"{arch}.gguf", spec)
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "qwen3", "gemma"])
+def test_optional_steps_bit_identical(tiny_dir, arch):
+    assert_same(optional_steps_model(tiny_dir, arch))
+
+
+def test_gemma3_rows_equal_alone(tiny_dir):
+    """With the optional steps a batched row still equals its sequence decoded alone (the one-row fused block,
+    `layer.py`, in `forward`), windows included."""
+    model = load(optional_steps_model(tiny_dir, "gemma3"), True)
+    vocab = model.config.vocab_size
+    caches = [model.new_cache(capacity=24) for _ in PROMPTS]
+    alone = [model.new_cache(capacity=24) for _ in PROMPTS]
+    for prompt, cache, single in zip(PROMPTS, caches, alone, strict=True):
+        model.forward(np.asarray(prompt) % vocab, 0, cache)
+        model.forward(np.asarray(prompt) % vocab, 0, single)
+    tokens = (np.arange(len(PROMPTS)) + 30) % vocab
+    logits = model.decode_batch(tokens, [c.length for c in caches], caches)
+    for b, cache in enumerate(alone):
+        expected = model.forward(tokens[b : b + 1], cache.length, cache)
+        assert np.array_equal(logits[b], expected[0]), f"row {b}"
 
 
 def test_background_switch(tiny_dir, monkeypatch):

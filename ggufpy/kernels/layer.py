@@ -207,13 +207,15 @@ def _block(
 
 @jit(inline=True)
 def _post_norm(fns, keys, y, weight, eps, D):
-    """y (1, >= D) as `Model._residual` adds it: RMSNorm of its first D columns where there is a weight."""
+    """y (N, >= D) as `Model._residual` adds it: RMSNorm of its first D columns where there is a weight."""
     if weight.shape[0] == 0:
         return y
-    branch = np.empty((1, D), np.float32)
-    for c in range(D):
-        branch[0, c] = y[0, c]
-    normed = np.empty((1, D), np.float32)
+    N = y.shape[0]
+    branch = np.empty((N, D), np.float32)
+    for r in range(N):
+        for c in range(D):
+            branch[r, c] = y[r, c]
+    normed = np.empty((N, D), np.float32)
     call_native(fns[NORM], keys[NORM], (branch, weight, eps, normed))
     return normed
 
@@ -254,14 +256,16 @@ def can_fuse(config, w, backend) -> bool:
     )
 
 
-def plain_block(config, w) -> bool:
-    """Whether layer `w` has none of the optional steps (SiLU, no Q/K norms, no Q scaling, no post-norms): the
-    scope of the batched block, `layer_rows.py`, which `can_fuse` alone would widen."""
-    return (
-        config.arch.activation == "silu"
-        and not config.arch.scale_q
-        and all(getattr(w, n) is None for n in ("attn_q_norm", "attn_k_norm", "post_attention_norm", "post_ffw_norm"))
-    )
+def optional_steps(config, w) -> tuple:
+    """(attention scale, Q scale or 0, Q norm, K norm, post-attention norm, post-FFN norm; an empty array for a
+    norm the layer lacks) as `Model.attention` and `Model._residual` apply them: the scale is 1.0f/sqrtf(E) or
+    the file's attention.scale, or 1 when Q itself is scaled (`scale_q`)."""
+    inv_sqrt = np.float32(np.float32(1.0) / np.sqrt(np.float32(config.head_dim)))
+    q_scale = inv_sqrt if config.arch.scale_q else np.float32(0.0)
+    scale = np.float32(1.0) if config.arch.scale_q else np.float32(config.attention_scale or inv_sqrt)
+    none = np.zeros(0, np.float32)
+    norms = (w.attn_q_norm, w.attn_k_norm, w.post_attention_norm, w.post_ffw_norm)
+    return (scale, q_scale, *(none if a is None else np.ascontiguousarray(a, np.float32) for a in norms))
 
 
 def _f32(ndim: int) -> np.ndarray:
@@ -351,14 +355,8 @@ class FusedLayer:
         self.neox = config.arch.rope_style != "norm"
         self.n_heads, self.n_kv, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
         self.hidden = w.ffn_gate.shape[0]
-        # as Model.attention: 1.0f/sqrtf(E) or the file's attention.scale; with `scale_q` Q is scaled instead
-        inv_sqrt = np.float32(np.float32(1.0) / np.sqrt(np.float32(config.head_dim)))
-        self.q_scale = inv_sqrt if config.arch.scale_q else np.float32(0.0)
-        self.scale = np.float32(1.0) if config.arch.scale_q else np.float32(config.attention_scale or inv_sqrt)
-        none = np.zeros(0, np.float32)
-        self.q_norm, self.k_norm, self.post_attn_norm, self.post_ffw_norm = (
-            none if a is None else np.ascontiguousarray(a, np.float32)
-            for a in (w.attn_q_norm, w.attn_k_norm, w.post_attention_norm, w.post_ffw_norm)
+        self.scale, self.q_scale, self.q_norm, self.k_norm, self.post_attn_norm, self.post_ffw_norm = optional_steps(
+            config, w
         )
         # the kernels' addresses in slot order (QKV0..DOWN, then ATTN, NORM, ROPE, SILU, SUMS), compiled (or
         # loaded from the disk cache) for the very argument types `_block` passes

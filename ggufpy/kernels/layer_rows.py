@@ -19,8 +19,8 @@ bit for bit the rows path's: batch invariance (row b is the one-token forward pa
 Like the rows path, every row's K and V are written before the attention reads them: a row reads its cache's
 positions 0..its own only, so a prompt chunk's rows (several rows of one cache) work too.
 
-Scope: `layer.can_fuse` and `layer.plain_block` (NumbaBackend, exact numerics, packed weights of the nib/nib6/i8
-families, plain llama-style blocks: no Q/K norms, post-norms or Q scaling, SiLU), no sliding window, f32
+Scope: `layer.can_fuse` (NumbaBackend, exact numerics, packed weights of the nib/nib6/i8 families, the llama-style
+block with `layer._block`'s optional steps: Q/K norms per head, Q scaling, GELU, post-norms, sliding windows), f32
 C-contiguous caches (`KVCache`, not `Q8Cache`). The rest goes through `Model.block_rows`. The block compiles in the
 background (`BACKGROUND`, as `layer.py`); None until it is ready.
 """
@@ -50,12 +50,13 @@ from .layer import (
     SILU,
     _glue_natives,
     _planned,
+    _post_norm,
     _product,
     _rows_native,
     _slots,
     _Unfusable,
     can_fuse,
-    plain_block,
+    optional_steps,
 )
 
 __all__ = ["FusedRows", "decode_rows", "fused_rows"]
@@ -103,9 +104,16 @@ def _block_rows(
     head_dim,
     scale,
     hidden,
+    q_norm,
+    k_norm,
+    q_scale,
+    window,
+    post_attn_norm,
+    post_ffw_norm,
 ):
     """The block for N rows, row r at position pos[r] of the cache whose layer arrays start at k_at[r],
-    v_at[r] (f32 (capacity, G, E)). Each kernel is called at its address (fns[slot], keys[slot])."""
+    v_at[r] (f32 (capacity, G, E)). Each kernel is called at its address (fns[slot], keys[slot]). The optional
+    steps are `layer._block`'s (`layer.optional_steps`), on every row."""
     N, D = h.shape
     Q = n_heads * head_dim
     K = n_kv * head_dim
@@ -135,10 +143,24 @@ def _block_rows(
             _columns(src, qkv_map[j, 1], K, k.reshape(N, K))
         else:
             _columns(src, qkv_map[j, 1], K, v.reshape(N, K))
+    if q_norm.shape[0] > 0:  # RMSNorm of each row's heads, as `rms_norm` of (N, H, E) reshaped to (N*H, E)
+        qn = np.empty_like(q)
+        kn = np.empty_like(k)
+        call_native(
+            fns[NORM], keys[NORM], (q.reshape(N * n_heads, head_dim), q_norm, eps, qn.reshape(N * n_heads, head_dim))
+        )
+        call_native(fns[NORM], keys[NORM], (k.reshape(N * n_kv, head_dim), k_norm, eps, kn.reshape(N * n_kv, head_dim)))
+        q = qn
+        k = kn
     qr = np.empty_like(q)
     kr = np.empty_like(k)
     call_native(fns[ROPE], keys[ROPE], (q, cos, sin, neox, qr))
     call_native(fns[ROPE], keys[ROPE], (k, cos, sin, neox, kr))
+    if q_scale != 0:  # q * (1/sqrt(E)) after RoPE (`scale_q`)
+        for r in range(N):
+            for hd in range(n_heads):
+                for e in range(head_dim):
+                    qr[r, hd, e] = qr[r, hd, e] * q_scale
     # `KVCache.update` of every row, then attention: row r reads positions 0..pos[r] of its own cache
     lengths = np.empty(N, np.int64)
     for r in range(N):
@@ -151,11 +173,11 @@ def _block_rows(
                 kc[p, g, e] = kr[r, g, e]
                 vc[p, g, e] = v[r, g, e]
     attn = np.empty((N, n_heads, head_dim), np.float32)  # (N, H, E)
-    window = np.int64(0)
     softcap = np.float32(0.0)
     call_native(fns[ATTN], keys[ATTN], (nt, qr, k_at, v_at, lengths, n_kv, scale, window, softcap, attn))
     yo = np.empty((N, wo[0].shape[0] * 64), np.float32)
     _product(fns, keys, OUT, nt, wo, attn.reshape(N, Q), yo)
+    yo = _post_norm(fns, keys, yo, post_attn_norm, eps, D)
     h1 = np.empty((N, D), np.float32)
     for r in range(N):
         for c in range(D):
@@ -182,6 +204,7 @@ def _block_rows(
             prod[r, c] = act[r, c] * src[r, lo + c]
     yd = np.empty((N, wd[0].shape[0] * 64), np.float32)
     _product(fns, keys, DOWN, nt, wd, prod, yd)
+    yd = _post_norm(fns, keys, yd, post_ffw_norm, eps, D)
     out = np.empty((N, D), np.float32)
     for r in range(N):
         for c in range(D):
@@ -205,7 +228,7 @@ def _rows_attention_native() -> tuple[int, int]:
 class FusedRows:
     """The prepared arguments of one layer on one backend (packed weights, stacks, maps) and its function."""
 
-    def __init__(self, config, w, backend):
+    def __init__(self, config, w, backend, window: int = 0):
         self.w = w  # keeps the LayerWeights alive while this entry is keyed by its id
         qkv_slots, self.qkv_map = _slots(backend, (w.attn_q, w.attn_k, w.attn_v))
         gu_slots, self.gu_map = _slots(backend, (w.ffn_gate, w.ffn_up))
@@ -223,9 +246,13 @@ class FusedRows:
         self.n_heads, self.n_kv, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
         self.hidden = w.ffn_gate.shape[0]
         self.macs = self.hidden * w.ffn_down.shape[0]
-        self.scale = np.float32(np.float32(1.0) / np.sqrt(np.float32(config.head_dim)))  # as Model.attention
+        self.scale, self.q_scale, self.q_norm, self.k_norm, self.post_attn_norm, self.post_ffw_norm = optional_steps(
+            config, w
+        )
+        self.window = np.int64(window)  # the layer's sliding window, 0 for none
         natives = [_rows_native(*slot) for slot in (*qkv_slots, *gu_slots, out_slot, down_slot)]
-        natives += [_rows_attention_native(), *_glue_natives()[1:]]  # ATTN, NORM, ROPE, SILU, SUMS
+        glue = _glue_natives(config.arch.activation)[1:]  # NORM, ROPE, the activation (slot SILU), SUMS
+        natives += [_rows_attention_native(), *glue]
         self.fns = np.array([address for address, _ in natives], np.int64)
         self.keys = np.array([key for _, key in natives], np.int64)
         self.ready = False  # whether `_block_rows` is compiled for this layer's argument types
@@ -260,6 +287,12 @@ class FusedRows:
             self.head_dim,
             self.scale,
             self.hidden,
+            self.q_norm,
+            self.k_norm,
+            self.q_scale,
+            self.window,
+            self.post_attn_norm,
+            self.post_ffw_norm,
         )
         if not self.ready:
             self.ready = compiled_in_background(_block_rows, args, wait=not BACKGROUND)
@@ -283,10 +316,9 @@ def fused_rows(backend, config, w, i: int) -> FusedRows | None:
     entry = per_backend.get(id(w))
     if entry is None or (entry is not False and entry.w is not w):
         entry = False
-        plain = config.fused_block(i) and config.window(i) is None and not _has_block_types(w)
-        if plain and can_fuse(config, w, backend) and plain_block(config, w):  # (the one-row block does more)
+        if config.fused_block(i) and not _has_block_types(w) and can_fuse(config, w, backend):
             try:
-                entry = FusedRows(config, w, backend)
+                entry = FusedRows(config, w, backend, int(config.window(i) or 0))
             except _Unfusable:
                 pass
         per_backend[id(w)] = entry
