@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+import pytest
+
 from ggufpy.cli import bench as bench_cli
 from ggufpy.server import bench
 
@@ -54,3 +56,51 @@ def test_table_reports_each_rounds_ratio():
     assert lines[3] == "| 8 | 40.0 | 12.0 | 3.33x | 3.33x |"  # each engine's best of its rounds
     # round by round, each engine's figure against the other's taken right after it
     assert lines[-1].endswith("1 streams 0.50x, 1.20x; 8 streams 4.00x, 3.00x")
+
+
+def test_table_with_llamacpp_batched():
+    rows = lambda rates: [{"streams": b, "tok_s": r} for b, r in zip((1, 8), rates, strict=True)]  # noqa: E731
+    results = {
+        "ggufpy": rows([10.0, 25.0]),
+        "llama-cpp-python": rows([12.0, 8.0]),
+        "llama.cpp batched": rows([11.0, 16.5]),
+    }
+    lines = bench.table(results).splitlines()
+    assert lines[0] == (
+        "| streams | ggufpy tok/s | llama-cpp-python tok/s | llama.cpp batched tok/s | ggufpy vs 1 stream "
+        "| llama.cpp batched vs 1 stream | ggufpy / llama-cpp-python | ggufpy / llama.cpp batched |"
+    )
+    # llama.cpp's own batching gain (16.5 / 11 = 1.50x) beside ggufpy's (2.50x); ratios to each engine
+    assert lines[3] == "| 8 | 25.0 | 8.0 | 16.5 | 2.50x | 1.50x | 3.12x | 1.52x |"
+    assert "llama-cpp-python's best at any concurrency (12.0 tok/s): 1 streams 0.83x, 8 streams 2.08x" in lines[5]
+
+
+def test_batched_engine_command():
+    argv = bench._batched_command("/models/a b.gguf", streams=8, gen_tokens=16, threads=3, eog=[2, 7])
+    assert argv[1:4] == ["-m", "ggufpy.server.bench_llamacpp", "/models/a b.gguf"]
+    assert argv[argv.index("--threads") + 1] == "3" and argv[argv.index("--streams") + 1] == "8"
+    assert argv[argv.index("--gen-tokens") + 1] == "16" and argv[argv.index("--eog") + 1 :] == ["2", "7"]
+
+
+def test_engine_flag():
+    parser = argparse.ArgumentParser()
+    bench_cli.register(parser.add_subparsers(dest="command"))
+    assert parser.parse_args(["bench"]).engines == ["ggufpy", "llama-cpp-python", "llama.cpp batched"]
+    assert parser.parse_args(["bench", "--engines", "llama.cpp batched"]).engines == ["llama.cpp batched"]
+
+
+def test_batched_engine_is_llamacpps_own_greedy_decode():
+    """Live (llama-cpp-python installed): one sequence through the batched driver is llama.cpp's own greedy
+    completion of the same prompt; two sequences decoded together each make all their tokens, none of them banned."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from ggufpy.packaged import smollm2_path
+    from ggufpy.server import bench_llamacpp
+
+    path = smollm2_path()
+    one = bench_llamacpp.measure(path, streams=1, gen_tokens=8, threads=2, eog=[2])
+    llm = llama_cpp.Llama(str(path), n_ctx=256, n_threads=2, verbose=False, logits_all=False)
+    ref = llm.create_completion("Story number 0: once upon a time", max_tokens=8, temperature=0, logit_bias={2: -1e9})
+    assert llm.detokenize(one["ids"][0]).decode() == ref["choices"][0]["text"]
+    two = bench_llamacpp.measure(path, streams=2, gen_tokens=8, threads=2, eog=[2])
+    assert two["tokens"] == 16 and [len(ids) for ids in two["ids"]] == [8, 8]
+    assert 2 not in two["ids"][0] + two["ids"][1] and two["tok_s"] == 16 / two["seconds"]

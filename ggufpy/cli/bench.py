@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 
+from ..server.bench import ENGINES as SERVER_ENGINES
 from . import NUMERICS_MODES, note_numerics
 
 # llama.cpp in a child process, mirroring `ggufpy.kernels.bench.run_child` for ggufpy
@@ -53,9 +54,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--server",
         action="store_true",
-        help="aggregate decode throughput of `ggufpy serve` and llama-cpp-python's server with --streams clients",
+        help="aggregate decode throughput of `ggufpy serve`, llama-cpp-python's server and llama.cpp's batched "
+        "decode with --streams concurrent streams",
     )
     p.add_argument("--streams", type=int, nargs="+", default=[1, 4, 8], help="concurrent clients (--server)")
+    p.add_argument(
+        "--engines",
+        nargs="+",
+        default=list(SERVER_ENGINES),
+        choices=SERVER_ENGINES,
+        help="--server: the engines to measure, ggufpy's ratios taken to each other one (default: all three)",
+    )
     p.set_defaults(func=run)
 
 
@@ -125,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _servers(path, args: argparse.Namespace) -> int:
-    """`--server`: both servers on the same model and threads, one run, ratios printed (docs/server.md)."""
+    """`--server`: the engines on the same model and threads, one run, ratios printed (docs/server.md)."""
     from ..kernels import bench
     from ..server import bench as server_bench
 
@@ -133,7 +142,8 @@ def _servers(path, args: argparse.Namespace) -> int:
         print("ggufpy: error: --server needs llama-cpp-python's server (pip install 'llama-cpp-python[server]')",
               file=sys.stderr)  # fmt: skip
         return 2
-    results = server_bench.run(path, args.streams, args.gen_tokens, args.threads, rounds=args.rounds)
+    engines = ["ggufpy", *(e for e in args.engines if e != "ggufpy")]  # ggufpy first: the ratios are its
+    results = server_bench.run(path, args.streams, args.gen_tokens, args.threads, engines, rounds=args.rounds)
     if args.json:
         print(json.dumps({"model": str(path), "threads": args.threads, "gen_tokens": args.gen_tokens, **results}))
         return 0

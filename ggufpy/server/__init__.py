@@ -2,7 +2,8 @@
 
 `scheduler` (the slot scheduler, no web dependencies), `schemas` (request bodies), `constrain` (structured output
 through llguidance), `tools` (tool calls in and out of the chat template), `app` and `http` (FastAPI routes, errors,
-/metrics; need the `server` extra: fastapi, uvicorn, sse-starlette, llguidance), `bench` (`ggufpy bench --server`).
+/metrics; need the `server` extra: fastapi, uvicorn, sse-starlette, llguidance), `bench` (`ggufpy bench --server`)
+and `bench_llamacpp` (its llama.cpp batched engine).
 """
 
 from __future__ import annotations

@@ -1,15 +1,19 @@
-"""`ggufpy bench --server`: aggregate decode throughput of `ggufpy serve` and of llama-cpp-python's server
-(`python -m llama_cpp.server`) on the same model and thread count, with 1, 4, 8 ... concurrent clients.
+"""`ggufpy bench --server`: aggregate decode throughput of `ggufpy serve`, of llama-cpp-python's server
+(`python -m llama_cpp.server`) and of llama.cpp's own batched decode (`bench_llamacpp.py`) on the same model and
+thread count, with 1, 4, 8 ... concurrent streams.
 
 Each server runs in its own process on 127.0.0.1 (a free port), is warmed up by one request, then gets, for
 each concurrency B, B simultaneous text completions of `gen_tokens` tokens each (greedy, the end-of-generation
 tokens banned so every request generates all of them). Throughput = the completion tokens of all B requests /
-the wall time from sending them to the last answer (prompts are a few tokens: this is decode).
+the wall time from sending them to the last answer (prompts are a few tokens: this is decode). llama-cpp-python's
+server decodes one request at a time; "llama.cpp batched" decodes the same B prompts together in one process
+(what llama-server's slots do, without HTTP), so it shows what batching gives llama.cpp on the machine.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import subprocess
@@ -19,6 +23,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 START_TIMEOUT = 300.0  # seconds a server may take to load and answer (numba compiles on a cold cache)
+ONE_AT_A_TIME = "llama-cpp-python"  # serves one request at a time: its best row bounds it at any concurrency
+BATCHED = "llama.cpp batched"  # llama.cpp's batched decode in one process, no server (bench_llamacpp.py)
+ENGINES = ("ggufpy", ONE_AT_A_TIME, BATCHED)
 
 
 def _free_port() -> int:
@@ -104,25 +111,45 @@ def _server(engine: str, path, parallel: int, threads: int, banned):
         log.close()
 
 
+def _batched_command(path, streams: int, gen_tokens: int, threads: int, eog: list[int]) -> list[str]:
+    """The command that measures llama.cpp's batched decode of `streams` sequences (`bench_llamacpp.py`)."""
+    argv = [sys.executable, "-m", "ggufpy.server.bench_llamacpp", str(path), "--threads", str(threads)]
+    return [*argv, "--streams", str(streams), "--gen-tokens", str(gen_tokens), "--eog", *map(str, eog)]
+
+
+def _batched(path, streams: int, gen_tokens: int, threads: int, eog: list[int]) -> dict:
+    """The `measure` row of llama.cpp's batched decode, run in a fresh process (OpenMP teams of `threads`)."""
+    argv = _batched_command(path, streams, gen_tokens, threads, eog)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=3600, check=False)
+    if done.returncode:
+        raise RuntimeError(f"llama.cpp's batched decode failed (exit {done.returncode}): {done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def run(
-    path, streams=(1, 4, 8), gen_tokens: int = 32, threads: int = 2, engines=("ggufpy", "llama-cpp-python"),
-    rounds: int = 1,
+    path, streams=(1, 4, 8), gen_tokens: int = 32, threads: int = 2, engines=ENGINES, rounds: int = 1,
 ):  # fmt: skip
     """{engine: [measure(...) per concurrency]}, the best of `rounds` (each row's `rounds_tok_s` has them all);
     the end-of-generation tokens of `path` are banned.
 
-    Both servers run at once (the idle one sleeps) and each round measures every concurrency on every engine
-    one after the other, so a slow stretch of a shared machine falls on both engines' figures of that round."""
+    The servers run at once (the idle one sleeps) and each round measures every concurrency on every engine
+    one after the other, so a slow stretch of a shared machine falls on all engines' figures of that round."""
     from ..tokenizer import load_tokenizer
 
-    banned = {str(t): -100.0 for t in sorted(load_tokenizer(path).eog_ids)}
+    eog = sorted(load_tokenizer(path).eog_ids)
+    banned = {str(t): -100.0 for t in eog}
     runs: dict[str, dict[int, list[dict]]] = {e: {b: [] for b in streams} for e in engines}
     with contextlib.ExitStack() as stack:
-        urls = {e: stack.enter_context(_server(e, path, max(streams), threads, banned)) for e in engines}
+        servers = [e for e in engines if e != BATCHED]
+        urls = {e: stack.enter_context(_server(e, path, max(streams), threads, banned)) for e in servers}
         for _ in range(rounds):
             for b in streams:
                 for e in engines:
-                    runs[e][b].append(measure(urls[e], b, gen_tokens, banned))
+                    if e == BATCHED:
+                        runs[e][b].append(_batched(path, b, gen_tokens, threads, eog))
+                    else:
+                        runs[e][b].append(measure(urls[e], b, gen_tokens, banned))
     return {
         e: [
             {**max(rows, key=lambda r: r["tok_s"]), "rounds_tok_s": [r["tok_s"] for r in rows]} for rows in per.values()
@@ -132,35 +159,34 @@ def run(
 
 
 def table(results: dict[str, list[dict]]) -> str:
-    """A Markdown table: tok/s per engine and concurrency, ggufpy's scaling and its ratio to llama-cpp-python."""
+    """A Markdown table: tok/s per engine and concurrency, each batching engine's gain over its one stream, and the
+    first engine's ratio to each other one; then the lines that read those ratios on a shared machine."""
     engines = list(results)
-    head = ["streams", *(f"{e} tok/s" for e in engines)]
-    if "ggufpy" in results:
-        head.append("ggufpy vs 1 stream")
-    if len(engines) == 2:
-        head.append(f"{engines[0]} / {engines[1]}")
+    first, others = engines[0], engines[1:]
+    batching = [e for e in engines if e != ONE_AT_A_TIME]
+    head = ["streams", *(f"{e} tok/s" for e in engines), *(f"{e} vs 1 stream" for e in batching)]
+    head += [f"{first} / {e}" for e in others]
     lines = ["| " + " | ".join(head) + " |", "|" + " ---: |" * len(head)]
-    for i, row in enumerate(results[engines[0]]):
+    for i, row in enumerate(results[first]):
         cells = [str(row["streams"]), *(f"{results[e][i]['tok_s']:.1f}" for e in engines)]
-        if "ggufpy" in results:
-            cells.append(f"{results['ggufpy'][i]['tok_s'] / results['ggufpy'][0]['tok_s']:.2f}x")
-        if len(engines) == 2:
-            cells.append(f"{results[engines[0]][i]['tok_s'] / results[engines[1]][i]['tok_s']:.2f}x")
+        cells += [f"{results[e][i]['tok_s'] / results[e][0]['tok_s']:.2f}x" for e in batching]
+        cells += [f"{row['tok_s'] / results[e][i]['tok_s']:.2f}x" for e in others]
         lines.append("| " + " | ".join(cells) + " |")
-    if len(engines) == 2:  # the other engine serves one request at a time: its best row bounds every row
-        ceiling = max(r["tok_s"] for r in results[engines[1]])
-        against = ", ".join(f"{r['streams']} streams {r['tok_s'] / ceiling:.2f}x" for r in results[engines[0]])
-        lines.append(f"\n{engines[0]} / {engines[1]}'s best at any concurrency ({ceiling:.1f} tok/s): {against}")
+    if ONE_AT_A_TIME in others:  # it serves one request at a time: its best row bounds every row
+        ceiling = max(r["tok_s"] for r in results[ONE_AT_A_TIME])
+        against = ", ".join(f"{r['streams']} streams {r['tok_s'] / ceiling:.2f}x" for r in results[first])
+        lines.append(f"\n{first} / {ONE_AT_A_TIME}'s best at any concurrency ({ceiling:.1f} tok/s): {against}")
     loads = [e + " " + ", ".join(f"{r['load']:.1f}" for r in results[e]) for e in engines if "load" in results[e][0]]
     if loads:
         lines.append("\nload average (1 min) at the end of each row: " + "; ".join(loads))
-    if len(engines) == 2 and len(results[engines[0]][0].get("rounds_tok_s", ())) > 1:  # each round's own ratios
-        a, b = (results[e] for e in engines)
-        per_round = [
-            f"{x['streams']} streams "
-            + ", ".join(f"{p / q:.2f}x" for p, q in zip(x["rounds_tok_s"], y["rounds_tok_s"], strict=True))
-            for x, y in zip(a, b, strict=True)
-        ]
-        lines.append(f"\n{engines[0]} / {engines[1]} in each round (the table keeps each engine's best): ")
-        lines[-1] += "; ".join(per_round)
+    for other in others:  # each round's own ratios
+        a, b = results[first], results[other]
+        if len(a[0].get("rounds_tok_s", ())) > 1:
+            per_round = [
+                f"{x['streams']} streams "
+                + ", ".join(f"{p / q:.2f}x" for p, q in zip(x["rounds_tok_s"], y["rounds_tok_s"], strict=True))
+                for x, y in zip(a, b, strict=True)
+            ]
+            lines.append(f"\n{first} / {other} in each round (the table keeps each engine's best): ")
+            lines[-1] += "; ".join(per_round)
     return "\n".join(lines)
