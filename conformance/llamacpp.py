@@ -272,6 +272,22 @@ class LlamaCpp:
             logits = self._decode([nxt], len(tokens) + len(out) - 1, all_logits=False)
         return out
 
+    def greedy_token_by_token(self, tokens: Iterable[int], n: int, banned: Iterable[int] = ()) -> list[int]:
+        """`n` greedy tokens after the prompt, every token decoded alone (the prompt too, one `llama_decode` of
+        one token each: what `ggufpy serve` computes in the llamacpp numerics), `banned` tokens never picked."""
+        tokens = [int(t) for t in tokens]
+        banned = np.asarray(list(banned), dtype=np.int64)
+        self._reset()
+        for pos, t in enumerate(tokens):
+            logits = self._decode([t], pos, all_logits=False)
+        out: list[int] = []
+        for _ in range(n):
+            row = logits[-1].copy()
+            row[banned] = -np.inf
+            out.append(int(np.argmax(row)))
+            logits = self._decode([out[-1]], len(tokens) + len(out) - 1, all_logits=False)
+        return out
+
     def close(self) -> None:
         llama_cpp = _lib()
         if getattr(self, "_ctx", None):

@@ -16,6 +16,9 @@ def test_commands_bind_loopback_with_the_same_threads():
     ours, theirs = cmds["ggufpy"], cmds["llama-cpp-python"]
     assert ours[1:4] == ["-m", "ggufpy", "serve"] and ours[ours.index("-m", 2) + 1] == "/models/a b.gguf"
     assert ours[ours.index("--parallel") + 1] == "8" and ours[ours.index("--port") + 1] == "9000"
+    assert ours[ours.index("--numerics") + 1] == "exact"
+    ours = bench._commands("m.gguf", threads=3, parallel=8, ctx=256, port=9000, numerics="llamacpp-avx2")["ggufpy"]
+    assert ours[ours.index("--numerics") + 1] == "llamacpp-avx2"
     assert theirs[theirs.index("--model") + 1] == "/models/a b.gguf"
     assert theirs[theirs.index("--host") + 1] == "127.0.0.1"
     assert theirs[theirs.index("--n_threads") + 1] == "3"

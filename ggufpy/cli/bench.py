@@ -49,7 +49,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--numerics",
         default="exact",
         choices=NUMERICS_MODES,
-        help="the ggufpy engines' numerics (default exact)",
+        help="the ggufpy engines' numerics, `ggufpy serve`'s with --server (default exact)",
     )
     p.add_argument(
         "--server",
@@ -143,10 +143,14 @@ def _servers(path, args: argparse.Namespace) -> int:
               file=sys.stderr)  # fmt: skip
         return 2
     engines = ["ggufpy", *(e for e in args.engines if e != "ggufpy")]  # ggufpy first: the ratios are its
-    results = server_bench.run(path, args.streams, args.gen_tokens, args.threads, engines, rounds=args.rounds)
+    results = server_bench.run(
+        path, args.streams, args.gen_tokens, args.threads, engines, rounds=args.rounds, numerics=args.numerics
+    )
     if args.json:
-        print(json.dumps({"model": str(path), "threads": args.threads, "gen_tokens": args.gen_tokens, **results}))
+        report = {"model": str(path), "threads": args.threads, "gen_tokens": args.gen_tokens}
+        print(json.dumps({**report, "numerics": args.numerics, **results}))
         return 0
-    print(f"{path.name}: {args.gen_tokens} tokens per request, {args.threads} threads, concurrent clients")
+    print(f"{path.name}: {args.gen_tokens} tokens per request, {args.threads} threads, concurrent clients, "
+          f"ggufpy in the {args.numerics} numerics")  # fmt: skip
     print(server_bench.table(results))
     return 0

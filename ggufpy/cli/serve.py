@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from . import NUMERICS_MODES, note_numerics, resolve_numerics
 from .run import add_ray_args, load_pipeline
 
 
@@ -15,6 +16,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API", description=__doc__)
     p.add_argument("-m", "--model", default=None, help="GGUF file or packaged model name (default: SmolLM2-135M)")
     p.add_argument("--backend", default=None, help="numpy or numba (default: numba when installed)")
+    p.add_argument(
+        "--numerics",
+        default="exact",
+        choices=(*NUMERICS_MODES, "host"),
+        help="exact (float32, the default) or llama.cpp's arithmetic (host = the build this CPU runs): each "
+        "response is then llama.cpp's own token-by-token decode of the request, whatever else is in the batch",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8080, help="TCP port (default 8080; 0 picks a free one)")
     p.add_argument("--parallel", type=int, default=4, help="slots: requests decoded together (default 4)")
@@ -51,7 +59,9 @@ def run(args: argparse.Namespace) -> int:
         args.model = str(path)
         model = load_pipeline(args, max_sequences=2 * args.parallel)
     else:
-        model = load(path, backend=args.backend)
+        numerics = resolve_numerics(args.numerics)
+        note_numerics(numerics)
+        model = load(path, backend=args.backend, numerics=numerics)
     ctx = min(args.ctx_size, model.config.context_length)
     alias = args.alias or path.stem
     from jinja2 import TemplateError

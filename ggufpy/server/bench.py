@@ -34,15 +34,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _commands(path, threads: int, parallel: int, ctx: int, port: int) -> dict[str, list[str]]:
-    """engine -> the command that serves `path` on 127.0.0.1:`port`."""
-    ggufpy = "-m ggufpy serve -m {path} --port {port} --parallel {parallel} --ctx-size {ctx}"
+def _commands(path, threads: int, parallel: int, ctx: int, port: int, numerics: str = "exact") -> dict[str, list[str]]:
+    """engine -> the command that serves `path` on 127.0.0.1:`port` (ggufpy in `numerics`)."""
+    ggufpy = "-m ggufpy serve -m {path} --port {port} --parallel {parallel} --ctx-size {ctx} --numerics {numerics}"
     # llama-cpp-python's server: one request at a time behind a lock; a new request must not abort the running one
     llama = (
         "-m llama_cpp.server --model {path} --host 127.0.0.1 --port {port} --n_threads {threads} "
         "--n_threads_batch {threads} --n_ctx {ctx} --interrupt_requests False --verbose False"
     )
-    fill = {"path": "\0", "port": port, "parallel": parallel, "ctx": ctx, "threads": threads}
+    fill = {"path": "\0", "port": port, "parallel": parallel, "ctx": ctx, "threads": threads, "numerics": numerics}
     return {  # the path goes in after splitting: it may hold spaces
         engine: [sys.executable, *(str(path) if a == "\0" else a for a in line.format(**fill).split())]
         for engine, line in (("ggufpy", ggufpy), ("llama-cpp-python", llama))
@@ -88,12 +88,12 @@ def measure(url: str, streams: int, gen_tokens: int, banned: dict[str, float]) -
 
 
 @contextlib.contextmanager
-def _server(engine: str, path, parallel: int, threads: int, banned):
+def _server(engine: str, path, parallel: int, threads: int, banned, numerics: str = "exact"):
     """`engine`'s server on `path` at a free loopback port, warmed up by one request: yields its URL."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     ctx = 256 if engine == "ggufpy" else 256 * parallel  # llama-cpp-python: one context for everything
-    argv = _commands(path, threads, parallel, ctx, port)[engine]
+    argv = _commands(path, threads, parallel, ctx, port, numerics)[engine]
     env = {**os.environ, "NUMBA_NUM_THREADS": str(threads), "OMP_NUM_THREADS": str(threads)}
     log = tempfile.TemporaryFile()  # not a pipe: llama.cpp's load log would fill it and block the server
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=log, env=env)
@@ -129,9 +129,10 @@ def _batched(path, streams: int, gen_tokens: int, threads: int, eog: list[int]) 
 
 def run(
     path, streams=(1, 4, 8), gen_tokens: int = 32, threads: int = 2, engines=ENGINES, rounds: int = 1,
+    numerics: str = "exact",
 ):  # fmt: skip
     """{engine: [measure(...) per concurrency]}, the best of `rounds` (each row's `rounds_tok_s` has them all);
-    the end-of-generation tokens of `path` are banned.
+    the end-of-generation tokens of `path` are banned; ggufpy serves in `numerics`.
 
     The servers run at once (the idle one sleeps) and each round measures every concurrency on every engine
     one after the other, so a slow stretch of a shared machine falls on all engines' figures of that round."""
@@ -142,7 +143,7 @@ def run(
     runs: dict[str, dict[int, list[dict]]] = {e: {b: [] for b in streams} for e in engines}
     with contextlib.ExitStack() as stack:
         servers = [e for e in engines if e != BATCHED]
-        urls = {e: stack.enter_context(_server(e, path, max(streams), threads, banned)) for e in servers}
+        urls = {e: stack.enter_context(_server(e, path, max(streams), threads, banned, numerics)) for e in servers}
         for _ in range(rounds):
             for b in streams:
                 for e in engines:
