@@ -26,6 +26,7 @@ START_TIMEOUT = 300.0  # seconds a server may take to load and answer (numba com
 ONE_AT_A_TIME = "llama-cpp-python"  # serves one request at a time: its best row bounds it at any concurrency
 BATCHED = "llama.cpp batched"  # llama.cpp's batched decode in one process, no server (bench_llamacpp.py)
 ENGINES = ("ggufpy", ONE_AT_A_TIME, BATCHED)
+PROMPT = "Story number {}: once upon a time"  # stream i's prompt, the same for every engine
 
 
 def _free_port() -> int:
@@ -77,7 +78,7 @@ def _one(url: str, prompt: str, n: int, banned: dict[str, float]) -> int:
 
 def measure(url: str, streams: int, gen_tokens: int, banned: dict[str, float]) -> dict:
     """`streams` concurrent completions of `gen_tokens` tokens: tokens, seconds, aggregate tokens per second."""
-    prompts = [f"Story number {i}: once upon a time" for i in range(streams)]
+    prompts = [PROMPT.format(i) for i in range(streams)]
     with ThreadPoolExecutor(streams) as pool:
         t0 = time.perf_counter()
         tokens = sum(pool.map(lambda p: _one(url, p, gen_tokens, banned), prompts))

@@ -24,6 +24,8 @@ import time
 
 import numpy as np
 
+from .bench import PROMPT
+
 CTX_PER_SEQUENCE = 256  # KV positions per sequence: the bench's prompts and completions are a few dozen tokens
 
 
@@ -67,7 +69,7 @@ def measure(path, streams: int, gen_tokens: int, threads: int, eog: list[int]) -
         raise RuntimeError(f"llama.cpp could not load {path}")
     vocab = llama.llama_model_get_vocab(model)
     n_vocab = llama.llama_vocab_n_tokens(vocab)
-    prompts = [_tokens(llama, vocab, f"Story number {i}: once upon a time") for i in range(streams)]
+    prompts = [_tokens(llama, vocab, PROMPT.format(i)) for i in range(streams)]
     params = llama.llama_context_default_params()
     params.n_ctx = CTX_PER_SEQUENCE * streams
     params.n_batch = params.n_ubatch = max(512, sum(map(len, prompts)))
@@ -75,6 +77,9 @@ def measure(path, streams: int, gen_tokens: int, threads: int, eog: list[int]) -
     params.n_threads = params.n_threads_batch = threads
     params.kv_unified = True  # one cache for all sequences, as llama-server's default
     ctx = llama.llama_init_from_model(model, params)
+    if not ctx:
+        llama.llama_model_free(model)
+        raise RuntimeError(f"llama.cpp could not create a context of {params.n_ctx} positions for {path}")
     batch = _Batch(llama, params.n_batch, streams)
     banned = np.asarray(eog, dtype=np.int64)
 
