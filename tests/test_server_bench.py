@@ -107,3 +107,16 @@ def test_batched_engine_is_llamacpps_own_greedy_decode():
     two = bench_llamacpp.measure(path, streams=2, gen_tokens=8, threads=2, eog=[2])
     assert two["tokens"] == 16 and [len(ids) for ids in two["ids"]] == [8, 8]
     assert 2 not in two["ids"][0] + two["ids"][1] and two["tok_s"] == 16 / two["seconds"]
+
+
+def test_other_engines_need_llamacpp(monkeypatch, capsys, tmp_path):
+    """Without llama-cpp-python, asking for its engines is a clear error that names them and the way out."""
+    from ggufpy.kernels import bench as kernels_bench
+
+    monkeypatch.setattr(kernels_bench, "llamacpp_available", lambda: False)
+    parser = argparse.ArgumentParser()
+    bench_cli.register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["bench", "--server", "--engines", "ggufpy", "llama.cpp batched"])
+    assert bench_cli._servers(tmp_path / "m.gguf", args) == 2
+    err = capsys.readouterr().err
+    assert "llama.cpp batched need llama-cpp-python" in err and "--engines ggufpy" in err

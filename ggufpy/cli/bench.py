@@ -138,11 +138,13 @@ def _servers(path, args: argparse.Namespace) -> int:
     from ..kernels import bench
     from ..server import bench as server_bench
 
-    if not bench.llamacpp_available():
-        print("ggufpy: error: --server needs llama-cpp-python's server (pip install 'llama-cpp-python[server]')",
+    engines = ["ggufpy", *(e for e in args.engines if e != "ggufpy")]  # ggufpy first: the ratios are its
+    others = [e for e in engines if e != "ggufpy"]
+    if others and not bench.llamacpp_available():
+        print(f"ggufpy: error: --server's engines {', '.join(others)} need llama-cpp-python "
+              "(pip install 'llama-cpp-python[server]'), or measure ggufpy alone with --engines ggufpy",
               file=sys.stderr)  # fmt: skip
         return 2
-    engines = ["ggufpy", *(e for e in args.engines if e != "ggufpy")]  # ggufpy first: the ratios are its
     results = server_bench.run(
         path, args.streams, args.gen_tokens, args.threads, engines, rounds=args.rounds, numerics=args.numerics
     )
