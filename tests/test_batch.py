@@ -173,13 +173,14 @@ def test_row_invariant_activations_equal_row_by_row():
 @needs_numba
 @pytest.mark.parametrize("ffn_down", [GGMLType.Q6_K, GGMLType.Q2_K], ids=["integer", "mixed"])
 def test_llamacpp_numerics_batch_invariant(tmp_path, ffn_down):
-    """The llamacpp numerics: integer kernels take up to `INT8_ROWS` rows per call (ggml's gemm forms start at 4
-    rows, the tiled ones at 8; both round differently from the one-row kernel), so every row of a batch is still
-    its decode alone; a weight without an integer kernel (Q2_K) sends its layer's products row by row."""
+    """The llamacpp numerics: integer kernels run each row as its one-row kernel (`int8rows.product_rows`: ggml's
+    gemm forms start at 4 rows, the tiled ones at 8, and both round differently from the one-row kernel), so every
+    row of a batch is still its decode alone; a weight without an integer kernel (Q2_K) sends its layer's
+    products row by row."""
     from conformance.fixtures import TinyLlama, write_tiny_llama
-    from ggufpy.kernels import batched
+    from ggufpy.kernels import int8rows
 
-    assert batched.INT8_ROWS < 4
+    assert int8rows.ONE_ROW_BELOW == 4
     types = {"embd": GGMLType.Q8_0, "output": GGMLType.Q6_K, "attn": GGMLType.Q4_K, "ffn": GGMLType.Q4_0}
     spec = TinyLlama(
         dim=256, hidden_dim=512, n_layers=2, types={**types, "attn_v": GGMLType.Q8_0, "ffn_down": ffn_down}

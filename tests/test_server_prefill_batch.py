@@ -201,7 +201,7 @@ def test_scheduler_reuses_a_finished_turn_token_for_token(tiny_llama):
 
 @pytest.mark.skipif(not AVAILABLE or JIT_DISABLED, reason="the numba kernels are not compiled here")
 def test_prefill_batch_rows_equal_decoding_alone_llamacpp_numerics():
-    """`ggufpy serve --numerics llamacpp-avx2`: the law holds in llama.cpp's arithmetic too (integer kernels up to
-    `batched.INT8_ROWS` rows per call, each row its one-row kernel), so a served prompt is llama.cpp's
+    """`ggufpy serve --numerics llamacpp-avx2`: the law holds in llama.cpp's arithmetic too (integer kernels run each
+    row as its one-row kernel, `int8rows.product_rows`), so a served prompt is llama.cpp's
     token-by-token decode of it whatever shares the pass."""
     check_prefill_law(ggufpy.load(smollm2_path(), backend="numba", numerics="llamacpp-avx2", tokenizer=False))

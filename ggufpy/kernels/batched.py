@@ -159,25 +159,37 @@ def matvec_rows(p: Packed, xv: np.ndarray, terms: np.ndarray | None, planned=Non
     return out
 
 
-INT8_ROWS = 3  # rows per integer-kernel call in `linears_rows`: below ggml's repacked gemm (4) and tiled (8) forms
+def _int8_rows(backend, x: np.ndarray, ws: tuple) -> list[np.ndarray]:
+    """`linears_rows` over integer-kernel weights (llamacpp numerics): each activation format quantized once for
+    all rows (a row's quantization is its own), then `int8rows.product_rows` (every row its one-row kernel's)."""
+    from .int8dot import quantize
+    from .int8rows import product_rows
+
+    quantized: dict[str, object] = {}
+    out = []
+    for w in ws:
+        iw = backend.int8_weight(w)
+        if x.shape[1] != iw.cols:
+            raise ValueError(f"{w.name}: activations of shape {x.shape} do not fit a weight of shape {w.shape}")
+        a = quantized.get(iw.fmt)
+        if a is None:
+            a = quantized[iw.fmt] = quantize(x, iw.fmt)
+        out.append(product_rows(a, iw, backend._threads_for(x.shape[0] * iw.rows * iw.cols)))
+    return out
 
 
 def linears_rows(backend, x: np.ndarray, ws: tuple) -> list[np.ndarray]:
     """`NumbaBackend.linears(x, ws)` for B rows of independent sequences: row b of each result is bit for bit
     `backend.linears(x[b:b+1], ws)`, whatever the other rows. Uses the same stacked weights as `linears` (a
     stack's groups are computed independently, so a stacked product equals the separate ones). Float weights
-    go row by row through `linear`, quantized activations (`llamacpp` numerics) too, in chunks of `INT8_ROWS`
-    rows where every weight has an integer kernel."""
+    go row by row through `linear`. Quantized activations (`llamacpp` numerics) take `int8rows.product_rows`
+    where every weight has an integer kernel (each row its one-row kernel's steps), else go row by row."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     if backend.numerics.quantize_activations:
-        # ggml's integer kernels switch to their gemm (repacked, from 4 rows) or tiled (from 8) forms by the row
-        # count (`quants.x86.kernel_for`); up to INT8_ROWS rows each row takes the one-row kernel, bit for bit its
-        # product alone, and a chunk reads each weight once instead of once per row
-        step = INT8_ROWS if all(backend.int8_weight(w) is not None for w in ws) else 1
-        return [
-            np.concatenate(rows)
-            for rows in zip(*(backend.linears(x[b : b + step], ws) for b in range(0, len(x), step)), strict=True)
-        ]
+        if all(backend.int8_weight(w) is not None for w in ws):  # each row through its one-row kernel's steps
+            return _int8_rows(backend, x, ws)
+        alone = (backend.linears(x[b : b + 1], ws) for b in range(len(x)))  # the f32 kernels' T > 1 paths pair rows
+        return [np.concatenate(rows) for rows in zip(*alone, strict=True)]
     groups = backend._stacks.get(ws)
     if groups is None:
         groups = backend._stacks[ws] = backend._stack_groups(ws)

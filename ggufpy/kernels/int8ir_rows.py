@@ -1,0 +1,122 @@
+"""One weight row against up to eight activation rows, each row's f32 steps those of its one-row kernel.
+
+A batched pass in the llamacpp numerics computes every row as that token decoded alone (`Model.prefill_batch`),
+so each row must take the kernel llama.cpp runs for one token, not its gemm. The one-row intrinsics
+(`int8ir.q0_dot(kind, lanes=True)`) decode a weight block and dot it with one activation row; B rows through
+them decode every block B times. Here the block is decoded once (nibbles, 5th bits, Q8_0's |w| and sign) and
+then dotted with each of T activation rows, each row with its own eight f32 lanes and its own `summs`:
+
+    per block b:  u = codes(w[r, b])                                   (once)
+                  for t < T:  isum = pmaddwd(pmaddubsw(u, a[t, b]), 1) - zp * asum[t, b]
+                              acc[t] = fma(d_w * d_a[t, b], float(isum), acc[t])
+                              summs[t] += m_w * s_a[t, b]               (Q4_1, Q5_1)
+    out[t, r] = hsum_float_8(acc[t]) (+ summs[t])
+
+The integer sums are exact in any order and each output sees the one-row kernel's roundings in its order, so
+out[t, r] is bit for bit `q0_dot(kind, True)(w, r, aq, t, ...)` (tests/test_int8_rows.py). A call takes 1..8 rows,
+each count its own code path (a switch), so that the T accumulators stay in registers (8 + the decoded block
+fit AVX2's 16).
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba.extending import intrinsic
+
+from .int8ir import (
+    F32,
+    F32T,
+    I8T,
+    I32T,
+    I64,
+    Q0_KINDS,
+    U8,
+    V8F32,
+    V8I32,
+    V16I16,
+    V32I8,
+    _broadcast,
+    _fma,
+    _half,
+    _hsum_float_8,
+    _load,
+    _loop,
+    _madd,
+    _maddubs,
+    _psign,
+    _q0_codes,
+    _row,
+    _splat,
+)
+from .int8ir_x8 import _signature8
+
+MAX_ROWS = 8  # activation rows per intrinsic call: eight f32 accumulators beside the decoded block
+
+
+def q0_dot_rows(kind: str):
+    """Intrinsic (w, r, aq, t0, n, ad, s, asum, nb, out): out[t0 + i, r] for i < n (1 <= n <= MAX_ROWS), each
+    the value of `int8ir.q0_dot(kind, lanes=True)` for weight row r and activation row t0 + i. One code path
+    per n (a switch): each keeps its n accumulators in registers."""
+    size, _, zp, _, m_at = Q0_KINDS[kind]
+
+    @intrinsic
+    def dot(typingctx, w, r, aq, t0, n, ad, s, asum, nb, out):
+        sig = _signature8((w, r, aq, t0, n, ad, s, asum, nb, out), (U8, int, I8T, int, int, F32T, F32T, I32T, int))
+
+        def codegen(context, builder, signature, args):
+            wrow = _row(context, builder, signature.args[0], args[0], args[1])
+            n_ = args[4]
+            done = builder.append_basic_block("rows.done")
+            switch = builder.switch(n_, done)
+            for T in range(1, MAX_ROWS + 1):
+                case = builder.append_basic_block(f"rows.{T}")
+                switch.add_case(ir.Constant(I64, T), case)
+                builder.position_at_end(case)
+                _rows(context, builder, signature, args, wrow, T, size, zp, m_at, kind)
+                builder.branch(done)
+            builder.position_at_end(done)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return dot
+
+
+def _rows(context, builder, signature, args, wrow, T: int, size: int, zp: int, m_at, kind: str) -> None:
+    """The loop over weight row r's blocks for activation rows t0..t0+T-1, then the T stores."""
+    _, r_, aq_, t0_, _, ad_, s_, asum_, nb_, out_ = args
+    ts = [builder.add(t0_, ir.Constant(I64, i)) for i in range(T)]
+    arows = [_row(context, builder, signature.args[2], aq_, t) for t in ts]
+    drows = [_row(context, builder, signature.args[5], ad_, t) for t in ts]
+    srows = [_row(context, builder, signature.args[6], s_, t) for t in ts] if m_at is not None else None
+    sumrows = [_row(context, builder, signature.args[7], asum_, t) for t in ts] if zp else None
+    init = [ir.Constant(V8F32, [0.0] * 8)] * T + [ir.Constant(F32, 0.0)] * T
+
+    def body(b, carried):
+        accs, summs = list(carried[:T]), list(carried[T:])
+        blk = builder.gep(wrow, [builder.mul(b, ir.Constant(I64, size))])
+        u, sign = _q0_codes(builder, blk, kind)  # decoded once for the T rows
+        dw = _half(builder, blk, 0)
+        mw = _half(builder, blk, m_at) if m_at is not None else None
+        a_off, d_off = builder.mul(b, ir.Constant(I64, 32)), builder.mul(b, ir.Constant(I64, 4))
+        for i in range(T):  # row i: the one-row kernel's steps for this block
+            a = _load(builder, arows[i], a_off, V32I8)
+            p = _maddubs(builder, u, a if sign is None else _psign(builder, a, sign))
+            isum = _madd(builder, p, _splat(V16I16, 1))
+            if zp:
+                asums = _load(builder, sumrows[i], a_off, V8I32)
+                isum = builder.sub(isum, builder.mul(asums, _splat(V8I32, zp)))
+            d = builder.fmul(dw, _load(builder, drows[i], d_off, F32))  # fp16 * fp16: exact in f32
+            accs[i] = _fma(builder, _broadcast(builder, d, V8F32), builder.sitofp(isum, V8F32), accs[i])
+            if m_at is not None:
+                summs[i] = builder.fadd(summs[i], builder.fmul(mw, _load(builder, srows[i], d_off, F32)))
+        return accs + summs
+
+    carried = _loop(builder, nb_, init, body)
+    col = builder.mul(r_, ir.Constant(I64, 4))
+    for i, t in enumerate(ts):
+        y = _hsum_float_8(builder, carried[i])
+        if m_at is not None:
+            y = builder.fadd(y, carried[T + i])
+        orow = _row(context, builder, signature.args[-1], out_, t)
+        builder.store(y, builder.bitcast(builder.gep(orow, [col]), F32.as_pointer()), align=4)
