@@ -407,10 +407,12 @@ class NumbaBackend(CompileAhead, ExpertProducts):
 
     def decode_rows(self, config, w, i: int, h: np.ndarray, positions, cos, sin, caches) -> np.ndarray | None:
         """A whole block of a batched pass (B rows, each at its own position of its own cache) in one compiled
-        call (`kernels.layer_rows`), bit-identical to `Model.block_rows` on this backend; None outside its scope."""
-        from . import layer_rows  # imports this module
+        call (`kernels.layer_rows`; the llamacpp numerics' integer kernels: `kernels.layer_ggml_rows`),
+        bit-identical to `Model.block_rows` on this backend; None outside its scope."""
+        from . import layer_ggml_rows, layer_rows  # import this module
 
-        return layer_rows.decode_rows(self, config, w, i, h, positions, cos, sin, caches)
+        fused = layer_ggml_rows if self._integer else layer_rows
+        return fused.decode_rows(self, config, w, i, h, positions, cos, sin, caches)
 
     # The per-token glue, for a transformer that asks its backend (`getattr(backend, "rms_norm", ops.rms_norm)`):
     rms_norm = staticmethod(kernel_ops.rms_norm)  # the same f32 steps as ops.rms_norm, in both numerics modes

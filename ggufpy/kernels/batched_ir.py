@@ -48,7 +48,7 @@ from numba.extending import intrinsic
 
 from ._numba import DISABLED
 
-__all__ = ["UNITS", "carray", "f32_pointer", "unit_rows"]
+__all__ = ["UNITS", "carray", "f32_pointer", "u16_pointer", "unit_rows"]
 
 I8, I16, I32, I64, F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
 V8F32, V8I32, V8I8, V8I16 = (ir.VectorType(t, 8) for t in (F32, I32, I8, I16))
@@ -369,4 +369,20 @@ def _compiled_f32_pointer():
     return f32_pointer
 
 
+def _compiled_u16_pointer():
+    @intrinsic
+    def u16_pointer(typingctx, address):
+        """`f32_pointer` for uint16 data: the llamacpp numerics' f16 KV caches, as bits."""
+        if not isinstance(address, types.Integer):
+            return None
+
+        def codegen(context, builder, signature, args):
+            return builder.inttoptr(args[0], I16.as_pointer())
+
+        return types.CPointer(types.uint16)(address), codegen
+
+    return u16_pointer
+
+
 f32_pointer = None if DISABLED else _compiled_f32_pointer()  # NUMBA_DISABLE_JIT: callers pass the arrays instead
+u16_pointer = None if DISABLED else _compiled_u16_pointer()

@@ -328,16 +328,16 @@ def fused_rows(backend, config, w, i: int) -> FusedRows | None:
 class _Step:
     """The per-row arrays of one batched pass, made at its first layer and reused by the others (every layer
     of a pass gets the same positions and caches): positions (N,) int64, and each layer's K and V array
-    addresses (L, N) int64 of the rows' caches."""
+    addresses (L, N) int64 of the rows' caches (of `dtype`: f32, or the llamacpp numerics' f16)."""
 
-    def __init__(self, positions, caches, config):
+    def __init__(self, positions, caches, config, dtype=np.float32):
         self.source = positions  # held: a pass's layers get this one list (a new pass, a new step)
         self.positions, self.caches = list(positions), list(caches)
         self.pos = np.array(positions, np.int64)
         self.layers = caches[0].layers if caches else range(0)
         self.k_at = self.v_at = None
         shape = (config.n_kv_heads, config.head_dim)
-        tables = [_addresses(c, shape) for c in caches]
+        tables = [_addresses(c, shape, dtype) for c in caches]
         if all(t is not None for t in tables) and all(c.layers == self.layers for c in caches):
             fits = all(0 <= p < c.capacity for p, c in zip(positions, caches, strict=True))
             if not fits:  # the kernel does not check bounds (`Model.prefill_batch` checked them already)
@@ -354,8 +354,8 @@ class _Step:
 _CACHE_ADDRESSES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _addresses(cache, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray] | None:
-    """The addresses of `cache`'s K and V arrays of every layer, or None unless every one is an f32
+def _addresses(cache, shape: tuple[int, int], dtype=np.float32) -> tuple[np.ndarray, np.ndarray] | None:
+    """The addresses of `cache`'s K and V arrays of every layer, or None unless every one is a `dtype`
     C-contiguous (capacity, G, E) array of a plain `KVCache` (not Q8_0 blocks, nor deepseek2's latent one)."""
     if getattr(cache, "kv_type", None) is not None or not isinstance(getattr(cache, "k", None), dict):
         return None
@@ -367,7 +367,7 @@ def _addresses(cache, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray] |
     if known is not None and all(a is b for a, b in zip(known[0], arrays[0] + arrays[1], strict=True)):
         return known[1]
     for a in arrays[0] + arrays[1]:
-        if a.dtype != np.float32 or not a.flags.c_contiguous or a.shape[1:] != shape or len(a) != cache.capacity:
+        if a.dtype != dtype or not a.flags.c_contiguous or a.shape[1:] != shape or len(a) != cache.capacity:
             return None
     table = tuple(np.array([a.ctypes.data for a in side], np.int64) for side in arrays)
     _CACHE_ADDRESSES[cache] = (arrays[0] + arrays[1], table)
