@@ -27,6 +27,7 @@ from .int8ir import (
     F32,
     F32T,
     I8T,
+    I32,
     I32T,
     I64,
     Q0_KINDS,
@@ -46,6 +47,7 @@ from .int8ir import (
     _psign,
     _q0_codes,
     _row,
+    _shuffle,
     _splat,
 )
 from .int8ir_x8 import _signature8
@@ -54,14 +56,15 @@ MAX_ROWS = 8  # activation rows per intrinsic call: eight f32 accumulators besid
 
 
 def q0_dot_rows(kind: str):
-    """Intrinsic (w, r, aq, t0, n, ad, s, asum, nb, out): out[t0 + i, r] for i < n (1 <= n <= MAX_ROWS), each
-    the value of `int8ir.q0_dot(kind, lanes=True)` for weight row r and activation row t0 + i. One code path
-    per n (a switch): each keeps its n accumulators in registers."""
+    """Intrinsic (w, r, aq, t0, n, adT, sT, asum, nb, out): out[t0 + i, r] for i < n (1 <= n <= MAX_ROWS), each
+    the value of `int8ir.q0_dot(kind, lanes=True)` for weight row r and activation row t0 + i. adT, sT f32
+    (nb, T + MAX_ROWS): the activations' d and s transposed (`by_block`), so that a block's scales of eight rows
+    are one vector. One code path per n (a switch): each keeps its n accumulators in registers."""
     size, _, zp, _, m_at = Q0_KINDS[kind]
 
     @intrinsic
-    def dot(typingctx, w, r, aq, t0, n, ad, s, asum, nb, out):
-        sig = _signature8((w, r, aq, t0, n, ad, s, asum, nb, out), (U8, int, I8T, int, int, F32T, F32T, I32T, int))
+    def dot(typingctx, w, r, aq, t0, n, adT, sT, asum, nb, out):
+        sig = _signature8((w, r, aq, t0, n, adT, sT, asum, nb, out), (U8, int, I8T, int, int, F32T, F32T, I32T, int))
 
         def codegen(context, builder, signature, args):
             wrow = _row(context, builder, signature.args[0], args[0], args[1])
@@ -82,23 +85,31 @@ def q0_dot_rows(kind: str):
     return dot
 
 
+def _lane(builder, v, i: int):
+    """Lane i of <8 x float> in all eight lanes (`vpermps`)."""
+    return _shuffle(builder, v, v, [i] * 8)
+
+
 def _rows(context, builder, signature, args, wrow, T: int, size: int, zp: int, m_at, kind: str) -> None:
-    """The loop over weight row r's blocks for activation rows t0..t0+T-1, then the T stores."""
-    _, r_, aq_, t0_, _, ad_, s_, asum_, nb_, out_ = args
+    """The loop over weight row r's blocks for activation rows t0..t0+T-1, then the T stores.
+
+    Row i's f32 steps are the one-row kernel's: d = d_w * d_a (one `fmul`), acc = fma(d, float(isum), acc),
+    summs = summs + m_w * s_a (an `fmul`, then an `fadd`). The scalar ones run in lane i of vectors over the
+    eight rows (the same IEEE operation in each lane), not once per row."""
+    _, r_, aq_, t0_, _, adT_, sT_, asum_, nb_, out_ = args
     ts = [builder.add(t0_, ir.Constant(I64, i)) for i in range(T)]
     arows = [_row(context, builder, signature.args[2], aq_, t) for t in ts]
-    drows = [_row(context, builder, signature.args[5], ad_, t) for t in ts]
-    srows = [_row(context, builder, signature.args[6], s_, t) for t in ts] if m_at is not None else None
     sumrows = [_row(context, builder, signature.args[7], asum_, t) for t in ts] if zp else None
-    init = [ir.Constant(V8F32, [0.0] * 8)] * T + [ir.Constant(F32, 0.0)] * T
+    t0_bytes = builder.mul(t0_, ir.Constant(I64, 4))
+    init = [ir.Constant(V8F32, [0.0] * 8)] * (T + 1)  # T lane accumulators, then the rows' summs (lane i: row i)
 
     def body(b, carried):
-        accs, summs = list(carried[:T]), list(carried[T:])
+        accs, summs = list(carried[:T]), carried[T]
         blk = builder.gep(wrow, [builder.mul(b, ir.Constant(I64, size))])
         u, sign = _q0_codes(builder, blk, kind)  # decoded once for the T rows
-        dw = _half(builder, blk, 0)
-        mw = _half(builder, blk, m_at) if m_at is not None else None
-        a_off, d_off = builder.mul(b, ir.Constant(I64, 32)), builder.mul(b, ir.Constant(I64, 4))
+        a_off = builder.mul(b, ir.Constant(I64, 32))
+        da = _load(builder, _row(context, builder, signature.args[5], adT_, b), t0_bytes, V8F32)
+        d = builder.fmul(_broadcast(builder, _half(builder, blk, 0), V8F32), da)  # fp16 * fp16: exact in f32
         for i in range(T):  # row i: the one-row kernel's steps for this block
             a = _load(builder, arows[i], a_off, V32I8)
             p = _maddubs(builder, u, a if sign is None else _psign(builder, a, sign))
@@ -106,17 +117,18 @@ def _rows(context, builder, signature, args, wrow, T: int, size: int, zp: int, m
             if zp:
                 asums = _load(builder, sumrows[i], a_off, V8I32)
                 isum = builder.sub(isum, builder.mul(asums, _splat(V8I32, zp)))
-            d = builder.fmul(dw, _load(builder, drows[i], d_off, F32))  # fp16 * fp16: exact in f32
-            accs[i] = _fma(builder, _broadcast(builder, d, V8F32), builder.sitofp(isum, V8F32), accs[i])
-            if m_at is not None:
-                summs[i] = builder.fadd(summs[i], builder.fmul(mw, _load(builder, srows[i], d_off, F32)))
-        return accs + summs
+            accs[i] = _fma(builder, _lane(builder, d, i), builder.sitofp(isum, V8F32), accs[i])
+        if m_at is not None:  # summs += m_w * s_a, every row at once
+            sa = _load(builder, _row(context, builder, signature.args[6], sT_, b), t0_bytes, V8F32)
+            mw = _broadcast(builder, _half(builder, blk, m_at), V8F32)
+            summs = builder.fadd(summs, builder.fmul(mw, sa))
+        return [*accs, summs]
 
     carried = _loop(builder, nb_, init, body)
     col = builder.mul(r_, ir.Constant(I64, 4))
     for i, t in enumerate(ts):
         y = _hsum_float_8(builder, carried[i])
         if m_at is not None:
-            y = builder.fadd(y, carried[T + i])
+            y = builder.fadd(y, builder.extract_element(carried[T], ir.Constant(I32, i)))
         orow = _row(context, builder, signature.args[-1], out_, t)
         builder.store(y, builder.bitcast(builder.gep(orow, [col]), F32.as_pointer()), align=4)

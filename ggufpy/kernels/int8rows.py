@@ -36,51 +36,66 @@ if AVAILABLE:
     _Q4_1, _Q5_1 = (int8ir_rows.q0_dot_rows(k) for k in ("q4_1", "q5_1"))
     _MAX = int8ir_rows.MAX_ROWS
 
+    @jit
+    def _by_block(x):
+        """x (T, nb) transposed to (nb, T + MAX_ROWS), zero-padded: a block's values of eight rows t.. as one
+        vector (the intrinsics load eight lanes from any t < T)."""
+        out = np.zeros((x.shape[1], x.shape[0] + _MAX), np.float32)
+        for t in range(x.shape[0]):
+            for b in range(x.shape[1]):
+                out[b, t] = x[t, b]
+        return out
+
     # One kernel per type (numba compiles only those a model's types call): weight rows in parallel, each
     # against every activation row, eight at a time.
     @jit(parallel=True)
     def _rows_q4_0(nt, w, aq, ad, s, asum, out):
         previous = use_threads(nt)
         T, nb = aq.shape[0], aq.shape[1] // 32
+        adT, sT = _by_block(ad), _by_block(s)
         for r in prange(w.shape[0]):
             for t in range(0, T, _MAX):
-                _Q4_0(w, r, aq, t, min(_MAX, T - t), ad, s, asum, nb, out)
+                _Q4_0(w, r, aq, t, min(_MAX, T - t), adT, sT, asum, nb, out)
         use_threads(previous)
 
     @jit(parallel=True)
     def _rows_q5_0(nt, w, aq, ad, s, asum, out):
         previous = use_threads(nt)
         T, nb = aq.shape[0], aq.shape[1] // 32
+        adT, sT = _by_block(ad), _by_block(s)
         for r in prange(w.shape[0]):
             for t in range(0, T, _MAX):
-                _Q5_0(w, r, aq, t, min(_MAX, T - t), ad, s, asum, nb, out)
+                _Q5_0(w, r, aq, t, min(_MAX, T - t), adT, sT, asum, nb, out)
         use_threads(previous)
 
     @jit(parallel=True)
     def _rows_q8_0(nt, w, aq, ad, s, asum, out):
         previous = use_threads(nt)
         T, nb = aq.shape[0], aq.shape[1] // 32
+        adT, sT = _by_block(ad), _by_block(s)
         for r in prange(w.shape[0]):
             for t in range(0, T, _MAX):
-                _Q8_0(w, r, aq, t, min(_MAX, T - t), ad, s, asum, nb, out)
+                _Q8_0(w, r, aq, t, min(_MAX, T - t), adT, sT, asum, nb, out)
         use_threads(previous)
 
     @jit(parallel=True)
     def _rows_q4_1(nt, w, aq, ad, s, asum, out):
         previous = use_threads(nt)
         T, nb = aq.shape[0], aq.shape[1] // 32
+        adT, sT = _by_block(ad), _by_block(s)
         for r in prange(w.shape[0]):
             for t in range(0, T, _MAX):
-                _Q4_1(w, r, aq, t, min(_MAX, T - t), ad, s, asum, nb, out)
+                _Q4_1(w, r, aq, t, min(_MAX, T - t), adT, sT, asum, nb, out)
         use_threads(previous)
 
     @jit(parallel=True)
     def _rows_q5_1(nt, w, aq, ad, s, asum, out):
         previous = use_threads(nt)
         T, nb = aq.shape[0], aq.shape[1] // 32
+        adT, sT = _by_block(ad), _by_block(s)
         for r in prange(w.shape[0]):
             for t in range(0, T, _MAX):
-                _Q5_1(w, r, aq, t, min(_MAX, T - t), ad, s, asum, nb, out)
+                _Q5_1(w, r, aq, t, min(_MAX, T - t), adT, sT, asum, nb, out)
         use_threads(previous)
 
     _ROWS.update(
