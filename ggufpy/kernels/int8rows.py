@@ -6,9 +6,10 @@ bit for bit its product alone (`int8dot.product` of that one row).
 ggml picks a weight's kernel by the number of activation rows (`quants.x86.kernel_for`): Q4_K's repacked gemm
 from 4 rows, Q6_K's / Q5_K's / Q3_K's tiled kernel from 8, whose f32 steps differ from the one-row kernel's.
 A row decoded alone takes the one-row kernel, so a batched pass must too, for every row:
-- the 32-element types in GGUF rows (Q4_1, Q5_0, Q5_1; Q4_0 and Q8_0 with out % 8 != 0): `int8ir_rows`, each
-  weight block decoded once for up to eight rows, each row with the one-row kernel's steps (1.25x the
-  one-row kernel's multiply-adds per second at 8 rows on SmolLM2's FFN, which re-decoded every block per row);
+- the 32-element types in GGUF rows (Q4_1, Q5_0, Q5_1; Q4_0 and Q8_0 with out % 8 != 0) and Q4_K's
+  eight-row groups: `int8ir_rows`, each weight block decoded once for up to eight rows, each row with the
+  one-row kernel's steps (at 8 rows, one thread: Q4_1 1.58x, Q4_K 1.71x the multiply-adds per second of the
+  one-row kernel run row by row, which re-decoded every block per row);
 - kernels whose steps per row do not depend on the row count (Q4_0's repacked gemv / gemm, Q8_0's groups):
   all rows in one call;
 - the rest: `int8dot.product` on at most `ONE_ROW_BELOW` - 1 rows at a time, below every switch (each chunk
@@ -98,8 +99,20 @@ if AVAILABLE:
                 _Q5_1(w, r, aq, t, min(_MAX, T - t), adT, sT, asum, nb, out)
         use_threads(previous)
 
+    _Q4_KX8 = int8ir_rows.q4_kx8_rows()
+
+    @jit(parallel=True)
+    def _rows_q4_kx8(nt, w, aq, ad, bsums, out):
+        previous = use_threads(nt)
+        T, nb = aq.shape[0], aq.shape[1] // 256
+        for g in prange(w.shape[0]):
+            for t in range(0, T, _MAX):
+                _Q4_KX8(w, g, aq, t, min(_MAX, T - t), ad, bsums, nb, out)
+        use_threads(previous)
+
     _ROWS.update(
         {
+            int8dot._mv_q4_kx8: _rows_q4_kx8,
             int8dot._mv_q4_0_lanes: _rows_q4_0,
             int8dot._mv_q5_0: _rows_q5_0,
             int8dot._mv_q8_0: _rows_q8_0,
@@ -115,9 +128,12 @@ def product_rows(a: Activations, iw: Int8Weight, threads: int = 0) -> np.ndarray
     `product` of row t alone."""
     T = a.q.shape[0]
     rows = _ROWS.get(iw.kernel)
-    if rows is not None:
+    if rows is not None and T > 1:  # (one row: the one-row kernel itself, 1.4x faster than Q4_K's rows form)
         out = np.empty((T, iw.rows), np.float32)
-        rows(threads or get_threads(), iw.raw, a.q, a.d, a.s, a.asum, out)
+        if iw.k_type:
+            rows(threads or get_threads(), iw.raw, a.q, a.d, a.bsums, out)
+        else:
+            rows(threads or get_threads(), iw.raw, a.q, a.d, a.s, a.asum, out)
         return out
     if T < ONE_ROW_BELOW or iw.kernel in _ANY_ROWS:
         return product(a, iw, threads)

@@ -17,9 +17,9 @@ arguments of the same types, in the same order as the rows path:
     -> down product -> + h
 
 so each row is bit for bit `Model.block_rows`'s, which is that token decoded alone (batch invariance,
-tests/test_kernels_layer_ggml_rows.py). A product whose kernel changes its steps with the row count (Q4_K's
-repacked gemm from 4 rows, the tiled kernels from 8) takes its rows in chunks of `int8rows.ONE_ROW_BELOW` - 1,
-as `product_rows` does.
+tests/test_kernels_layer_ggml_rows.py). A product whose kernel changes its steps with the row count and has
+no rows form (the tiled kernels from 8 rows, Q4_K in GGUF rows, the low-bit types) takes its rows in chunks of
+`int8rows.ONE_ROW_BELOW` - 1, as `product_rows` does.
 
 Scope: `layer_ggml.can_fuse` (the llama-style block of the one-token fused block) with jitted integer kernels
 (not the FP4 wrappers), f16 `KVCache`s. The rest goes through `Model.block_rows`. The block compiles in the
