@@ -18,8 +18,8 @@ pytestmark = pytest.mark.skipif(not int8dot.AVAILABLE, reason="no numba JIT or n
 from ggufpy.kernels import int8rows  # noqa: E402
 from tests.test_kernels_int8 import activations, assert_bitwise, random_weight, replay  # noqa: E402
 
-# the 32-element types in GGUF rows: the kernels of `int8ir_rows` (Q4_0 and Q8_0 when out % 8 != 0); Q4_K's
-# groups (rows % 8 == 0) have one too
+# the 32-element types in GGUF rows: the kernels of `int8ir_rows` (Q4_0 and Q8_0 when out % 8 != 0); Q4_0's
+# and Q4_K's eight-row groups (out % 8 == 0) have one too
 ROW_TYPES = [T.Q4_0, T.Q5_0, T.Q8_0, T.Q4_1, T.Q5_1]
 
 
@@ -44,20 +44,24 @@ def test_every_row_is_its_product_alone(t, rows, blocks, n_rows, seed):
     assert_bitwise(got, alone)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
 @given(
     t=st.sampled_from([*ROW_TYPES, T.Q4_K]),
+    grouped=st.booleans(),
     rows=st.sampled_from([1, 3, 12, 20]),
     blocks=st.integers(1, 5),
     n_rows=st.integers(1, 17),
     seed=st.integers(0, 2**32 - 1),
 )
-def test_row_kernels_equal_the_one_row_replay(t, rows, blocks, n_rows, seed):
-    """The block-decoded-once kernels against ggml's one-row kernel as the NumPy replay runs it, row by row."""
+def test_row_kernels_equal_the_one_row_replay(t, grouped, rows, blocks, n_rows, seed):
+    """The block-decoded-once kernels against ggml's one-row kernel as the NumPy replay runs it, row by row: the
+    32-element types in GGUF rows, and Q4_0's and Q4_K's eight-row groups (the repacked gemv)."""
     rng = np.random.default_rng(seed)
-    if t == T.Q4_K:  # eight-row groups of 256-element super-blocks
-        rows, blocks = 8 * max(1, rows // 4), max(1, blocks // 2)
-    w = random_weight(t, rows, blocks * (256 if t == T.Q4_K else 32), rng)
+    grouped = t == T.Q4_K or (grouped and t == T.Q4_0)
+    if grouped:  # out % 8 == 0: the weight is copied into eight-row groups
+        rows = 8 * max(1, rows // 4)
+    block = 256 if t == T.Q4_K else 32
+    w = random_weight(t, rows, max(1, blocks * 32 // block) * block, rng)
     iw = int8dot.weight(w)
     assert iw.kernel in int8rows._ROWS, f"{t.name} with {rows} rows should take a block-decoded-once kernel"
     x = activations(rng, n_rows, w.shape[1])

@@ -16,6 +16,10 @@ The integer sums are exact in any order and each output sees the one-row kernel'
 out[t, r] is bit for bit `q0_dot(kind, True)(w, r, aq, t, ...)` (tests/test_int8_rows.py). A call takes 1..8 rows,
 each count its own code path (a switch), so that the T accumulators stay in registers (8 + the decoded block
 fit AVX2's 16).
+
+The eight-row groups of Q4_0 and Q4_K (`int8dot.interleaved`) take the same idea with the repacked gemv's
+steps (`q4_0x8_rows`, `q4_kx8_rows`): a group's block is decoded once into a stack scratch, then dotted with
+each row, whose accumulators wait in a stack array between blocks.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from numba.extending import intrinsic
 from .int8ir import (
     F32,
     F32T,
+    HALF,
     I8T,
     I16T,
     I32,
@@ -36,6 +41,7 @@ from .int8ir import (
     U8,
     V8F32,
     V8I32,
+    V16I8,
     V16I16,
     V32I8,
     _broadcast,
@@ -53,7 +59,7 @@ from .int8ir import (
     _shuffle,
     _splat,
 )
-from .int8ir_x8 import _halves8, _k4_scales_mins_vec, _reduce8, _signature8, _store8
+from .int8ir_x8 import Q4_0X8_BYTES, _hadd, _halves8, _k4_scales_mins_vec, _reduce8, _signature8, _store8
 
 MAX_ROWS = 8  # activation rows per intrinsic call: eight f32 accumulators beside the decoded block
 
@@ -230,6 +236,92 @@ def q4_kx8_rows():
                 acc = builder.load(slot(accs, at))
                 accm = builder.load(slot(accs, builder.add(at, ir.Constant(I32, 1))))
                 _store8(context, builder, signature, out_, builder.add(t0_, t), r0, builder.fsub(acc, accm))
+                return []
+
+            _loop(builder, n_, [], store)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return dot
+
+
+# -- Q4_0 in eight-row groups (`int8ir_x8`'s layout): the repacked gemv / gemm's steps per row -----------------------
+def q4_0x8_rows():
+    """Intrinsic (w, g, aq, t0, n, ad, zsum, nb, out): out[t0 + i, 8g:8g+8] for i < n (1 <= n <= MAX_ROWS), each
+    row the value of `int8ir_x8.q4_0x8_dot` for that row (acc = fma(float(block sum), d_w * d_a, acc), one lane
+    per weight row). zsum int32 (T, nb): 8 * the sum of row t's quants in block b, the zero point's term
+    (`zero_sums`), which the one-row kernel sums again for every group.
+
+    Each block of the group is decoded once (its 8 code vectors) into a stack scratch and dotted with each of
+    the n rows; each row's accumulator waits in a stack array between blocks (no rounding)."""
+
+    @intrinsic
+    def dot(typingctx, w, g, aq, t0, n, ad, zsum, nb, out):
+        sig = _signature8((w, g, aq, t0, n, ad, zsum, nb, out), (U8, int, I8T, int, int, F32T, I32T, int))
+
+        def codegen(context, builder, signature, args):
+            w_, g_, aq_, t0_, n_, ad_, zs_, nb_, out_ = args
+            group = _row(context, builder, signature.args[0], w_, g_)
+            codes = cgutils.alloca_once(builder, ir.ArrayType(V32I8, 8))  # [2c]: low nibbles of rows c, c + 4
+            accs = cgutils.alloca_once(builder, ir.ArrayType(V8F32, MAX_ROWS))
+            ones = _splat(V16I16, 1)
+
+            def slot(array, i):
+                index = i if isinstance(i, ir.Value) else ir.Constant(I32, i)
+                return builder.gep(array, [ir.Constant(I32, 0), index])
+
+            for i in range(MAX_ROWS):
+                builder.store(ir.Constant(V8F32, [0.0] * 8), slot(accs, i))
+
+            def block(b, carried):
+                blk = builder.gep(group, [builder.mul(b, ir.Constant(I64, Q4_0X8_BYTES))])
+                for c in range(4):  # decoded once for the n rows
+                    lo, hi = _nibbles32(builder, _load(builder, blk, 16 + 32 * c, V32I8))
+                    builder.store(lo, slot(codes, 2 * c))
+                    builder.store(hi, slot(codes, 2 * c + 1))
+                dw = builder.fpext(_load(builder, blk, 0, ir.VectorType(HALF, 8)), V8F32)
+
+                def row(t, _):
+                    r = builder.add(t0_, t)
+                    ablk = builder.gep(
+                        _row(context, builder, signature.args[2], aq_, r), [builder.mul(b, ir.Constant(I64, 32))]
+                    )
+                    a_lo, a_hi = (_load(builder, ablk, o, V16I8) for o in (0, 16))
+                    a_lo, a_hi = (_shuffle(builder, a, a, list(range(16)) * 2) for a in (a_lo, a_hi))
+                    lanes = []
+                    for c in range(4):  # rows c and c + 4
+                        lo, hi = builder.load(slot(codes, 2 * c)), builder.load(slot(codes, 2 * c + 1))
+                        p = builder.add(_maddubs(builder, lo, a_lo), _maddubs(builder, hi, a_hi))  # |p| <= 7680
+                        lanes.append(_madd(builder, p, ones))
+                    h = _hadd(builder, _hadd(builder, lanes[0], lanes[1]), _hadd(builder, lanes[2], lanes[3]))
+                    zs = _load(
+                        builder,
+                        _row(context, builder, signature.args[6], zs_, r),
+                        builder.mul(b, ir.Constant(I64, 4)),
+                        I32,
+                    )
+                    isum = builder.sub(h, _broadcast(builder, zs, V8I32))
+                    da = _load(
+                        builder,
+                        _row(context, builder, signature.args[5], ad_, r),
+                        builder.mul(b, ir.Constant(I64, 4)),
+                        F32,
+                    )
+                    d = builder.fmul(dw, _broadcast(builder, da, V8F32))
+                    acc_p = slot(accs, builder.trunc(t, I32))
+                    builder.store(_fma(builder, builder.sitofp(isum, V8F32), d, builder.load(acc_p)), acc_p)
+                    return []
+
+                _loop(builder, n_, [], row)
+                return []
+
+            _loop(builder, nb_, [], block)
+            r0 = builder.mul(g_, ir.Constant(I64, 8))
+
+            def store(t, _):
+                acc = builder.load(slot(accs, builder.trunc(t, I32)))
+                _store8(context, builder, signature, out_, builder.add(t0_, t), r0, acc)
                 return []
 
             _loop(builder, n_, [], store)
