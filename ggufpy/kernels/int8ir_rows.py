@@ -18,8 +18,8 @@ each count its own code path (a switch), so that the T accumulators stay in regi
 fit AVX2's 16).
 
 The eight-row groups of Q4_0 and Q4_K (`int8dot.interleaved`) take the same idea with the repacked gemv's
-steps (`q4_0x8_rows`, `q4_kx8_rows`): a group's block is decoded once into a stack scratch, then dotted with
-each row, whose accumulators wait in a stack array between blocks.
+steps (`q4_0x8_rows`, `q4_kx8_rows`), and Q6_K with its vec_dot's (`q6_k_rows`): a block is decoded once into
+a stack scratch, then dotted with each row, whose accumulators wait in a stack array between blocks.
 """
 
 from __future__ import annotations
@@ -322,6 +322,90 @@ def q4_0x8_rows():
             def store(t, _):
                 acc = builder.load(slot(accs, builder.trunc(t, I32)))
                 _store8(context, builder, signature, out_, builder.add(t0_, t), r0, acc)
+                return []
+
+            _loop(builder, n_, [], store)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return dot
+
+
+# -- Q6_K in GGUF rows: ggml_vec_dot_q6_K_q8_K's steps per row --------------------------------------------------------
+def q6_k_rows():
+    """Intrinsic (w, r, aq, t0, n, ad, bsums, nb, out): out[t0 + i, r] for i < n (1 <= n <= MAX_ROWS), each the
+    value of `int8ir.q6_k_dot(lanes=True)` (the AVX2 vec_dot llama.cpp runs below 8 rows, so for one token:
+    acc = fma(fl(da * dw), float(lanes), acc), y = hsum_float_8(acc)), while its tiled kernel (8+ rows) has
+    other steps. Each super-block's 6-bit codes and scale pairs are decoded once into a stack scratch; each
+    row's accumulator waits in a stack array between blocks."""
+    three, four = _splat(V32I8, 3), _splat(V32I8, 4)
+
+    @intrinsic
+    def dot(typingctx, w, r, aq, t0, n, ad, bsums, nb, out):
+        sig = _signature8((w, r, aq, t0, n, ad, bsums, nb, out), (U8, int, I8T, int, int, F32T, I16T, int))
+
+        def codegen(context, builder, signature, args):
+            w_, r_, aq_, t0_, n_, ad_, bs_, nb_, out_ = args
+            wrow = _row(context, builder, signature.args[0], w_, r_)
+            codes = cgutils.alloca_once(builder, ir.ArrayType(V32I8, 8))  # [chunk]: elements 32 chunk..
+            scales = cgutils.alloca_once(builder, ir.ArrayType(V16I16, 8))  # [chunk]: its two scales, 8 lanes each
+            accs = cgutils.alloca_once(builder, ir.ArrayType(V8F32, MAX_ROWS))
+
+            def slot(array, i):
+                index = i if isinstance(i, ir.Value) else ir.Constant(I32, i)
+                return builder.gep(array, [ir.Constant(I32, 0), index])
+
+            for i in range(MAX_ROWS):
+                builder.store(ir.Constant(V8F32, [0.0] * 8), slot(accs, i))
+
+            def block(b, carried):
+                blk = builder.gep(wrow, [builder.mul(b, ir.Constant(I64, 210))])
+                sc16 = builder.sext(_load(builder, blk, 192, V16I8), V16I16)
+                for h in range(2):  # block_q6_K: ql[128], qh[64], scales[16], d; decoded once for the n rows
+                    ql0, ql1 = (_load(builder, blk, 64 * h + 32 * i, V32I8) for i in range(2))
+                    qh = _load(builder, blk, 128 + 32 * h, V32I8)
+                    lo0, hi0 = _nibbles32(builder, ql0)
+                    lo1, hi1 = _nibbles32(builder, ql1)
+                    low = (lo0, lo1, hi0, hi1)  # elements 128h + 32i + l, i = 0..3
+                    for i in range(4):
+                        top = builder.and_(builder.lshr(qh, _splat(V32I8, 2 * i)), three)
+                        chunk = 4 * h + i
+                        builder.store(builder.or_(low[i], builder.shl(top, four)), slot(codes, chunk))
+                        pair = _shuffle(builder, sc16, sc16, [2 * chunk] * 8 + [2 * chunk + 1] * 8)
+                        builder.store(pair, slot(scales, chunk))
+                dw = _half(builder, blk, 208)
+
+                def row(t, _):
+                    r = builder.add(t0_, t)
+                    ablk = builder.gep(
+                        _row(context, builder, signature.args[2], aq_, r), [builder.mul(b, ir.Constant(I64, 256))]
+                    )
+                    isum = ir.Constant(V8I32, [0] * 8)
+                    for chunk in range(8):
+                        a = _load(builder, ablk, 32 * chunk, V32I8)
+                        p = _maddubs(builder, builder.load(slot(codes, chunk)), a)
+                        isum = builder.add(isum, _madd(builder, p, builder.load(slot(scales, chunk))))
+                    bsrow = _row(context, builder, signature.args[6], bs_, r)
+                    bs = _load(builder, bsrow, builder.mul(b, ir.Constant(I64, 32)), V16I16)
+                    isum = builder.sub(isum, builder.shl(_madd(builder, bs, sc16), _splat(V8I32, 5)))
+                    drow = _row(context, builder, signature.args[5], ad_, r)
+                    da = _load(builder, drow, builder.mul(b, ir.Constant(I64, 4)), F32)
+                    d = _broadcast(builder, builder.fmul(da, dw), V8F32)
+                    acc_p = slot(accs, builder.trunc(t, I32))
+                    builder.store(_fma(builder, d, builder.sitofp(isum, V8F32), builder.load(acc_p)), acc_p)
+                    return []
+
+                _loop(builder, n_, [], row)
+                return []
+
+            _loop(builder, nb_, [], block)
+            col = builder.mul(r_, ir.Constant(I64, 4))
+
+            def store(t, _):
+                y = _hsum_float_8(builder, builder.load(slot(accs, builder.trunc(t, I32))))
+                orow = _row(context, builder, signature.args[-1], out_, builder.add(t0_, t))
+                builder.store(y, builder.bitcast(builder.gep(orow, [col]), F32.as_pointer()), align=4)
                 return []
 
             _loop(builder, n_, [], store)
