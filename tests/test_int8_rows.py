@@ -18,8 +18,8 @@ pytestmark = pytest.mark.skipif(not int8dot.AVAILABLE, reason="no numba JIT or n
 from ggufpy.kernels import int8rows  # noqa: E402
 from tests.test_kernels_int8 import activations, assert_bitwise, random_weight, replay  # noqa: E402
 
-# the 32-element types in GGUF rows: the kernels of `int8ir_rows` (Q4_0 and Q8_0 when out % 8 != 0); Q6_K and
-# Q4_0's and Q4_K's eight-row groups (out % 8 == 0) have one too
+# the 32-element types in GGUF rows: the kernels of `int8ir_rows` (Q4_0 and Q8_0 when out % 8 != 0); the
+# k-quants (`int8ir_rows_k`) and Q4_0's eight-row groups (out % 8 == 0) have one too
 ROW_TYPES = [T.Q4_0, T.Q5_0, T.Q8_0, T.Q4_1, T.Q5_1]
 
 
@@ -46,7 +46,7 @@ def test_every_row_is_its_product_alone(t, rows, blocks, n_rows, seed):
 
 @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
 @given(
-    t=st.sampled_from([*ROW_TYPES, T.Q4_K, T.Q6_K]),
+    t=st.sampled_from([*ROW_TYPES, T.Q4_K, T.Q6_K, T.Q5_K, T.Q3_K]),
     grouped=st.booleans(),
     rows=st.sampled_from([1, 3, 12, 20]),
     blocks=st.integers(1, 5),
@@ -55,12 +55,13 @@ def test_every_row_is_its_product_alone(t, rows, blocks, n_rows, seed):
 )
 def test_row_kernels_equal_the_one_row_replay(t, grouped, rows, blocks, n_rows, seed):
     """The block-decoded-once kernels against ggml's one-row kernel as the NumPy replay runs it, row by row: the
-    32-element types and Q6_K in GGUF rows, and Q4_0's and Q4_K's eight-row groups (the repacked gemv)."""
+    32-element types, Q6_K, Q5_K and Q3_K in GGUF rows, and Q4_0's and Q4_K's eight-row groups (the repacked
+    gemv)."""
     rng = np.random.default_rng(seed)
     grouped = t == T.Q4_K or (grouped and t == T.Q4_0)
     if grouped:  # out % 8 == 0: the weight is copied into eight-row groups
         rows = 8 * max(1, rows // 4)
-    block = 256 if t in (T.Q4_K, T.Q6_K) else 32
+    block = 256 if t in (T.Q4_K, T.Q6_K, T.Q5_K, T.Q3_K) else 32
     w = random_weight(t, rows, max(1, blocks * 32 // block) * block, rng)
     iw = int8dot.weight(w)
     assert iw.kernel in int8rows._ROWS, f"{t.name} with {rows} rows should take a block-decoded-once kernel"

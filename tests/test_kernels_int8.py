@@ -27,7 +27,9 @@ def random_weight(t: T, rows: int, cols: int, rng: np.random.Generator) -> Quant
     _, size, block = int8dot.INT8_TYPES[t]
     n = rows * cols // block
     blocks = rng.integers(0, 256, (n, size), dtype=np.uint8)
-    scales = {T.Q4_1: (0, 2), T.Q5_1: (0, 2), T.Q4_K: (0, 2), T.Q6_K: (208,)}.get(t, (0,))
+    scales = {T.Q4_1: (0, 2), T.Q5_1: (0, 2), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,), T.Q3_K: (108,)}.get(
+        t, (0,)
+    )
     for o in scales:
         blocks[:, o : o + 2] = (rng.standard_normal(n) * 0.02).astype("<f2").view(np.uint8).reshape(n, 2)
     return QuantTensor("w", t, (rows, cols), blocks.reshape(-1))

@@ -29,8 +29,8 @@ def compile_in_foreground(monkeypatch):
     monkeypatch.setattr(layer_ggml_rows, "BACKGROUND", False)
 
 
-# each product form: block-decoded-once rows kernels (Q4_1, Q5_0, Q6_K, Q4_0's and Q4_K's groups), all rows in
-# one call (Q8_0's groups), chunks of 3 rows below the kernels' switches (Q5_K, TQ2_0, IQ2_XXS, Q1_0),
+# each product form: block-decoded-once rows kernels (Q4_1, Q5_0, Q6_K, Q5_K, Q4_0's and Q4_K's groups), all
+# rows in one call (Q8_0's groups), chunks of 3 rows below the kernels' switches (TQ2_0, IQ2_XXS, Q1_0),
 # and a layer of mixed types (smollm2_mix); the rest under `-m slow` (each kernel compiles on a cold cache)
 FIXTURES = ["q4_0", "q4_1", "q8_0", "q4_k", "q4_k_m", "smollm2_mix"]
 MORE = ["q5_0", "q6_k", "q5_k", "tq2_0", "iq2_xxs", "q1_0"]
@@ -66,10 +66,10 @@ def test_smollm2_rows_equal_alone():
 
 
 def test_chunks_where_the_kernel_switches():
-    """Q5_K's kernel takes its rows three at a time in the block (its tiled form starts at 8 rows), Q8_0's groups
-    all at once, Q4_1, Q6_K and Q4_0's and Q4_K's groups their block-decoded-once kernels: the per-product plan
-    the block reads."""
-    chunks = {"q5_k": int8rows.ONE_ROW_BELOW - 1, "q8_0": 0, "q4_1": 0, "q6_k": 0, "q4_0": 0, "q4_k": 0}
+    """TQ2_0's kernel takes its rows three at a time in the block (no rows form), Q8_0's groups all at once,
+    Q4_1, Q6_K, Q5_K and Q4_0's and Q4_K's groups their block-decoded-once kernels: the per-product plan the
+    block reads."""
+    chunks = {"tq2_0": int8rows.ONE_ROW_BELOW - 1, "q8_0": 0, "q4_1": 0, "q6_k": 0, "q5_k": 0, "q4_0": 0, "q4_k": 0}
     for name, chunk in chunks.items():
         model = ggufpy.load(fixture_path(name), backend="numba", numerics="llamacpp", tokenizer=False)
         layer = layer_ggml_rows.fused_rows(model.backend, model.config, model.weights.layers[0])

@@ -6,15 +6,15 @@ bit for bit its product alone (`int8dot.product` of that one row).
 ggml picks a weight's kernel by the number of activation rows (`quants.x86.kernel_for`): Q4_K's repacked gemm
 from 4 rows, Q6_K's / Q5_K's / Q3_K's tiled kernel from 8, whose f32 steps differ from the one-row kernel's.
 A row decoded alone takes the one-row kernel, so a batched pass must too, for every row:
-- the 32-element types in GGUF rows (Q4_1, Q5_0, Q5_1; Q4_0 and Q8_0 with out % 8 != 0), Q6_K (whose tiled
-  kernel starts at 8 rows) and Q4_0's and Q4_K's eight-row groups: `int8ir_rows`, each weight block decoded
-  once for up to eight rows, each row with the one-row kernel's steps (at 8 rows, one thread, 8192 x 2048:
-  Q4_1 1.58x, Q4_K 1.71x, Q4_0 1.54x the multiply-adds per second of the one-row kernel run row by row, which
-  re-decoded every block per row);
+- the 32-element types in GGUF rows (Q4_1, Q5_0, Q5_1; Q4_0 and Q8_0 with out % 8 != 0), Q6_K, Q5_K and Q3_K
+  (whose tiled kernels start at 8 rows), Q4_0's and Q4_K's eight-row groups: `int8ir_rows`, `int8ir_rows_k`,
+  each weight block decoded once for up to eight rows, each row with the one-row kernel's steps (at 8 rows,
+  one thread, 8192 x 2048: Q4_1 1.58x, Q4_K 1.71x, Q4_0 1.54x, Q6_K 1.64x, Q5_K 1.76x the multiply-adds per second of
+  the one-row kernel run row by row, which re-decoded every block per row);
 - kernels whose steps per row do not depend on the row count (Q8_0's groups, Q4_0 repacked in GGUF rows): all
   rows in one call;
-- the rest (Q5_K's and Q3_K's tiled forms, the low-bit types): `int8dot.product` on at most `ONE_ROW_BELOW` - 1
-  rows at a time, below every switch (each chunk reads the weight again).
+- the rest (the low-bit types): `int8dot.product` on at most `ONE_ROW_BELOW` - 1 rows at a time, below every
+  switch (each chunk reads the weight again).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ _ROWS: dict = {}  # a one-row kernel -> the kernel that runs it on up to eight r
 _ANY_ROWS: set = set()  # kernels whose per-row steps do not depend on the row count
 
 if AVAILABLE:
-    from . import int8dot, int8ir_q8_0_x8, int8ir_rows
+    from . import int8dot, int8ir_k5, int8ir_q8_0_x8, int8ir_rows, int8ir_rows_k
 
     _Q4_0, _Q5_0, _Q8_0 = (int8ir_rows.q0_dot_rows(k) for k in ("q4_0", "q5_0", "q8_0"))
     _Q4_1, _Q5_1 = (int8ir_rows.q0_dot_rows(k) for k in ("q4_1", "q5_1"))
@@ -100,7 +100,7 @@ if AVAILABLE:
                 _Q5_1(w, r, aq, t, min(_MAX, T - t), adT, sT, asum, nb, out)
         use_threads(previous)
 
-    _Q4_KX8 = int8ir_rows.q4_kx8_rows()
+    _Q4_KX8 = int8ir_rows_k.q4_kx8_rows()
 
     @jit(parallel=True)
     def _rows_q4_kx8(nt, w, aq, ad, bsums, out):
@@ -135,7 +135,8 @@ if AVAILABLE:
                 _Q4_0X8(w, g, aq, t, min(_MAX, T - t), ad, zsum, nb, out)
         use_threads(previous)
 
-    _Q6_K = int8ir_rows.q6_k_rows()
+    _Q6_K = int8ir_rows_k.q6_k_rows()
+    _Q5_K, _Q3_K = int8ir_rows_k.k5_rows("q5_k"), int8ir_rows_k.k5_rows("q3_k")
 
     @jit(parallel=True)
     def _rows_q6_k(nt, w, aq, ad, bsums, out):
@@ -146,8 +147,28 @@ if AVAILABLE:
                 _Q6_K(w, r, aq, t, min(_MAX, T - t), ad, bsums, nb, out)
         use_threads(previous)
 
+    @jit(parallel=True)
+    def _rows_q5_k(nt, w, aq, ad, bsums, out):
+        previous = use_threads(nt)
+        T, nb = aq.shape[0], aq.shape[1] // 256
+        for r in prange(w.shape[0]):
+            for t in range(0, T, _MAX):
+                _Q5_K(w, r, aq, t, min(_MAX, T - t), ad, bsums, nb, out)
+        use_threads(previous)
+
+    @jit(parallel=True)
+    def _rows_q3_k(nt, w, aq, ad, bsums, out):
+        previous = use_threads(nt)
+        T, nb = aq.shape[0], aq.shape[1] // 256
+        for r in prange(w.shape[0]):
+            for t in range(0, T, _MAX):
+                _Q3_K(w, r, aq, t, min(_MAX, T - t), ad, bsums, nb, out)
+        use_threads(previous)
+
     _ROWS.update(
         {
+            int8ir_k5._mv_q5_k: _rows_q5_k,
+            int8ir_k5._mv_q3_k: _rows_q3_k,
             int8dot._mv_q6_k: _rows_q6_k,
             int8dot._mv_q4_0x8: _rows_q4_0x8,
             int8dot._mv_q4_kx8: _rows_q4_kx8,
