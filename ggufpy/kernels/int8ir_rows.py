@@ -63,6 +63,20 @@ from .int8ir_x8 import Q4_0X8_BYTES, _hadd, _signature8, _store8
 MAX_ROWS = 8  # activation rows per intrinsic call: eight f32 accumulators beside the decoded block
 
 
+def _stack(builder, ty, n: int, zero=None):
+    """An array of n values of `ty` on the stack (an alloca in the entry block), each set to `zero` if given."""
+    array = cgutils.alloca_once(builder, ir.ArrayType(ty, n))
+    for i in range(n if zero is not None else 0):
+        builder.store(zero, _slot(builder, array, i))
+    return array
+
+
+def _slot(builder, array, i):
+    """A pointer to element i (an int, or an i32 value) of a `_stack` array."""
+    index = i if isinstance(i, ir.Value) else ir.Constant(I32, i)
+    return builder.gep(array, [ir.Constant(I32, 0), index])
+
+
 def q0_dot_rows(kind: str):
     """Intrinsic (w, r, aq, t0, n, adT, sT, asum, nb, out): out[t0 + i, r] for i < n (1 <= n <= MAX_ROWS), each
     the value of `int8ir.q0_dot(kind, lanes=True)` for weight row r and activation row t0 + i. adT, sT f32
@@ -159,23 +173,16 @@ def q4_0x8_rows():
         def codegen(context, builder, signature, args):
             w_, g_, aq_, t0_, n_, ad_, zs_, nb_, out_ = args
             group = _row(context, builder, signature.args[0], w_, g_)
-            codes = cgutils.alloca_once(builder, ir.ArrayType(V32I8, 8))  # [2c]: low nibbles of rows c, c + 4
-            accs = cgutils.alloca_once(builder, ir.ArrayType(V8F32, MAX_ROWS))
+            codes = _stack(builder, V32I8, 8)  # [2c]: low nibbles of rows c, c + 4
+            accs = _stack(builder, V8F32, MAX_ROWS, ir.Constant(V8F32, [0.0] * 8))
             ones = _splat(V16I16, 1)
-
-            def slot(array, i):
-                index = i if isinstance(i, ir.Value) else ir.Constant(I32, i)
-                return builder.gep(array, [ir.Constant(I32, 0), index])
-
-            for i in range(MAX_ROWS):
-                builder.store(ir.Constant(V8F32, [0.0] * 8), slot(accs, i))
 
             def block(b, carried):
                 blk = builder.gep(group, [builder.mul(b, ir.Constant(I64, Q4_0X8_BYTES))])
                 for c in range(4):  # decoded once for the n rows
                     lo, hi = _nibbles32(builder, _load(builder, blk, 16 + 32 * c, V32I8))
-                    builder.store(lo, slot(codes, 2 * c))
-                    builder.store(hi, slot(codes, 2 * c + 1))
+                    builder.store(lo, _slot(builder, codes, 2 * c))
+                    builder.store(hi, _slot(builder, codes, 2 * c + 1))
                 dw = builder.fpext(_load(builder, blk, 0, ir.VectorType(HALF, 8)), V8F32)
 
                 def row(t, _):
@@ -187,7 +194,10 @@ def q4_0x8_rows():
                     a_lo, a_hi = (_shuffle(builder, a, a, list(range(16)) * 2) for a in (a_lo, a_hi))
                     lanes = []
                     for c in range(4):  # rows c and c + 4
-                        lo, hi = builder.load(slot(codes, 2 * c)), builder.load(slot(codes, 2 * c + 1))
+                        lo, hi = (
+                            builder.load(_slot(builder, codes, 2 * c)),
+                            builder.load(_slot(builder, codes, 2 * c + 1)),
+                        )
                         p = builder.add(_maddubs(builder, lo, a_lo), _maddubs(builder, hi, a_hi))  # |p| <= 7680
                         lanes.append(_madd(builder, p, ones))
                     h = _hadd(builder, _hadd(builder, lanes[0], lanes[1]), _hadd(builder, lanes[2], lanes[3]))
@@ -205,7 +215,7 @@ def q4_0x8_rows():
                         F32,
                     )
                     d = builder.fmul(dw, _broadcast(builder, da, V8F32))
-                    acc_p = slot(accs, builder.trunc(t, I32))
+                    acc_p = _slot(builder, accs, builder.trunc(t, I32))
                     builder.store(_fma(builder, builder.sitofp(isum, V8F32), d, builder.load(acc_p)), acc_p)
                     return []
 
@@ -216,7 +226,7 @@ def q4_0x8_rows():
             r0 = builder.mul(g_, ir.Constant(I64, 8))
 
             def store(t, _):
-                acc = builder.load(slot(accs, builder.trunc(t, I32)))
+                acc = builder.load(_slot(builder, accs, builder.trunc(t, I32)))
                 _store8(context, builder, signature, out_, builder.add(t0_, t), r0, acc)
                 return []
 

@@ -17,7 +17,6 @@ blocks (a store and a load: no rounding), so out[t, r] is bit for bit the one-ro
 from __future__ import annotations
 
 from llvmlite import ir
-from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .int8ir import (
@@ -47,7 +46,7 @@ from .int8ir import (
     _splat,
 )
 from .int8ir_k5 import _min_sum, _q3_k_block, _q3_k_isum, _q5_k_block, _q5_k_isum
-from .int8ir_rows import MAX_ROWS
+from .int8ir_rows import MAX_ROWS, _slot, _stack
 from .int8ir_x8 import _halves8, _k4_scales_mins_vec, _reduce8, _signature8, _store8
 
 __all__ = ["k5_rows", "q4_kx8_rows", "q6_k_rows"]
@@ -75,17 +74,11 @@ def q4_kx8_rows():
         def codegen(context, builder, signature, args):
             w_, g_, aq_, t0_, n_, ad_, bs_, nb_, out_ = args
             group = _row(context, builder, signature.args[0], w_, g_)
-            codes = cgutils.alloca_once(builder, ir.ArrayType(V32I8, 64))  # [8 * row + sub-block]
-            scales = cgutils.alloca_once(builder, ir.ArrayType(V16I16, 64))  # its scale in all 16 lanes
-            mins = cgutils.alloca_once(builder, ir.ArrayType(V8I32, 8))  # [row]: the 8 sub-blocks' mins
-            accs = cgutils.alloca_once(builder, ir.ArrayType(V8F32, 2 * MAX_ROWS))  # [2t]: acc, [2t + 1]: accm
+            codes = _stack(builder, V32I8, 64)  # [8 * row + sub-block]
+            scales = _stack(builder, V16I16, 64)  # its scale in all 16 lanes
+            mins = _stack(builder, V8I32, 8)  # [row]: the 8 sub-blocks' mins
             zero = ir.Constant(V8F32, [0.0] * 8)
-
-            def slot(array, i):
-                return builder.gep(array, [ir.Constant(I32, 0), i if isinstance(i, ir.Value) else ir.Constant(I32, i)])
-
-            for i in range(2 * MAX_ROWS):
-                builder.store(zero, slot(accs, i))
+            accs = _stack(builder, V8F32, 2 * MAX_ROWS, zero)  # [2t]: acc, [2t + 1]: accm
 
             def block(b, carried):
                 blks = [
@@ -96,13 +89,13 @@ def q4_kx8_rows():
                 ]
                 for i, blk in enumerate(blks):  # decoded once for the n rows
                     sc, mn = _k4_scales_mins_vec(builder, blk)
-                    builder.store(mn, slot(mins, i))
+                    builder.store(mn, _slot(builder, mins, i))
                     for c in range(4):
                         lo, hi = _nibbles32(builder, _load(builder, blk, 16 + 32 * c, V32I8))
-                        builder.store(lo, slot(codes, 8 * i + 2 * c))
-                        builder.store(hi, slot(codes, 8 * i + 2 * c + 1))
+                        builder.store(lo, _slot(builder, codes, 8 * i + 2 * c))
+                        builder.store(hi, _slot(builder, codes, 8 * i + 2 * c + 1))
                     for j in range(8):
-                        builder.store(_shuffle(builder, sc, sc, [j] * 16), slot(scales, 8 * i + j))
+                        builder.store(_shuffle(builder, sc, sc, [j] * 16), _slot(builder, scales, 8 * i + j))
                 dw, dmin = _halves8(builder, blks, 0), _halves8(builder, blks, 2)
 
                 def row(t, _):
@@ -118,14 +111,14 @@ def q4_kx8_rows():
                     for i in range(8):
                         isum = ir.Constant(V8I32, [0] * 8)
                         for j in range(8):
-                            p = _maddubs(builder, builder.load(slot(codes, 8 * i + j)), a[j])
-                            isum = builder.add(isum, _madd(builder, p, builder.load(slot(scales, 8 * i + j))))
+                            p = _maddubs(builder, builder.load(_slot(builder, codes, 8 * i + j)), a[j])
+                            isum = builder.add(isum, _madd(builder, p, builder.load(_slot(builder, scales, 8 * i + j))))
                         isums.append(isum)
-                        msums.append(builder.mul(builder.load(slot(mins, i)), pairs))
+                        msums.append(builder.mul(builder.load(_slot(builder, mins, i)), pairs))
                     da_row = _row(context, builder, signature.args[5], ad_, r)
                     da = _broadcast(builder, _load(builder, da_row, builder.mul(b, ir.Constant(I64, 4)), F32), V8F32)
                     at = builder.trunc(builder.mul(t, ir.Constant(I64, 2)), I32)
-                    acc_p, accm_p = slot(accs, at), slot(accs, builder.add(at, ir.Constant(I32, 1)))
+                    acc_p, accm_p = _slot(builder, accs, at), _slot(builder, accs, builder.add(at, ir.Constant(I32, 1)))
                     dd, dm = builder.fmul(dw, da), builder.fmul(dmin, da)
                     builder.store(
                         _fma(builder, builder.sitofp(_reduce8(builder, isums), V8F32), dd, builder.load(acc_p)), acc_p
@@ -143,8 +136,8 @@ def q4_kx8_rows():
 
             def store(t, _):
                 at = builder.trunc(builder.mul(t, ir.Constant(I64, 2)), I32)
-                acc = builder.load(slot(accs, at))
-                accm = builder.load(slot(accs, builder.add(at, ir.Constant(I32, 1))))
+                acc = builder.load(_slot(builder, accs, at))
+                accm = builder.load(_slot(builder, accs, builder.add(at, ir.Constant(I32, 1))))
                 _store8(context, builder, signature, out_, builder.add(t0_, t), r0, builder.fsub(acc, accm))
                 return []
 
@@ -172,16 +165,9 @@ def q6_k_rows():
         def codegen(context, builder, signature, args):
             w_, r_, aq_, t0_, n_, ad_, bs_, nb_, out_ = args
             wrow = _row(context, builder, signature.args[0], w_, r_)
-            codes = cgutils.alloca_once(builder, ir.ArrayType(V32I8, 8))  # [chunk]: elements 32 chunk..
-            scales = cgutils.alloca_once(builder, ir.ArrayType(V16I16, 8))  # [chunk]: its two scales, 8 lanes each
-            accs = cgutils.alloca_once(builder, ir.ArrayType(V8F32, MAX_ROWS))
-
-            def slot(array, i):
-                index = i if isinstance(i, ir.Value) else ir.Constant(I32, i)
-                return builder.gep(array, [ir.Constant(I32, 0), index])
-
-            for i in range(MAX_ROWS):
-                builder.store(ir.Constant(V8F32, [0.0] * 8), slot(accs, i))
+            codes = _stack(builder, V32I8, 8)  # [chunk]: elements 32 chunk..
+            scales = _stack(builder, V16I16, 8)  # [chunk]: its two scales, 8 lanes each
+            accs = _stack(builder, V8F32, MAX_ROWS, ir.Constant(V8F32, [0.0] * 8))
 
             def block(b, carried):
                 blk = builder.gep(wrow, [builder.mul(b, ir.Constant(I64, 210))])
@@ -195,9 +181,9 @@ def q6_k_rows():
                     for i in range(4):
                         top = builder.and_(builder.lshr(qh, _splat(V32I8, 2 * i)), three)
                         chunk = 4 * h + i
-                        builder.store(builder.or_(low[i], builder.shl(top, four)), slot(codes, chunk))
+                        builder.store(builder.or_(low[i], builder.shl(top, four)), _slot(builder, codes, chunk))
                         pair = _shuffle(builder, sc16, sc16, [2 * chunk] * 8 + [2 * chunk + 1] * 8)
-                        builder.store(pair, slot(scales, chunk))
+                        builder.store(pair, _slot(builder, scales, chunk))
                 dw = _half(builder, blk, 208)
 
                 def row(t, _):
@@ -208,15 +194,15 @@ def q6_k_rows():
                     isum = ir.Constant(V8I32, [0] * 8)
                     for chunk in range(8):
                         a = _load(builder, ablk, 32 * chunk, V32I8)
-                        p = _maddubs(builder, builder.load(slot(codes, chunk)), a)
-                        isum = builder.add(isum, _madd(builder, p, builder.load(slot(scales, chunk))))
+                        p = _maddubs(builder, builder.load(_slot(builder, codes, chunk)), a)
+                        isum = builder.add(isum, _madd(builder, p, builder.load(_slot(builder, scales, chunk))))
                     bsrow = _row(context, builder, signature.args[6], bs_, r)
                     bs = _load(builder, bsrow, builder.mul(b, ir.Constant(I64, 32)), V16I16)
                     isum = builder.sub(isum, builder.shl(_madd(builder, bs, sc16), _splat(V8I32, 5)))
                     drow = _row(context, builder, signature.args[5], ad_, r)
                     da = _load(builder, drow, builder.mul(b, ir.Constant(I64, 4)), F32)
                     d = _broadcast(builder, builder.fmul(da, dw), V8F32)
-                    acc_p = slot(accs, builder.trunc(t, I32))
+                    acc_p = _slot(builder, accs, builder.trunc(t, I32))
                     builder.store(_fma(builder, d, builder.sitofp(isum, V8F32), builder.load(acc_p)), acc_p)
                     return []
 
@@ -227,7 +213,7 @@ def q6_k_rows():
             col = builder.mul(r_, ir.Constant(I64, 4))
 
             def store(t, _):
-                y = _hsum_float_8(builder, builder.load(slot(accs, builder.trunc(t, I32))))
+                y = _hsum_float_8(builder, builder.load(_slot(builder, accs, builder.trunc(t, I32))))
                 orow = _row(context, builder, signature.args[-1], out_, builder.add(t0_, t))
                 builder.store(y, builder.bitcast(builder.gep(orow, [col]), F32.as_pointer()), align=4)
                 return []
@@ -259,16 +245,8 @@ def k5_rows(kind: str):
         def codegen(context, builder, signature, args):
             w_, r_, aq_, t0_, n_, ad_, bs_, nb_, out_ = args
             wrow = _row(context, builder, signature.args[0], w_, r_)
-            accs = cgutils.alloca_once(builder, ir.ArrayType(V8F32, MAX_ROWS))
-            summs = cgutils.alloca_once(builder, ir.ArrayType(F32, MAX_ROWS))
-
-            def slot(array, i):
-                index = i if isinstance(i, ir.Value) else ir.Constant(I32, i)
-                return builder.gep(array, [ir.Constant(I32, 0), index])
-
-            for i in range(MAX_ROWS):
-                builder.store(ir.Constant(V8F32, [0.0] * 8), slot(accs, i))
-                builder.store(ir.Constant(F32, 0.0), slot(summs, i))
+            accs = _stack(builder, V8F32, MAX_ROWS, ir.Constant(V8F32, [0.0] * 8))
+            summs = _stack(builder, F32, MAX_ROWS, ir.Constant(F32, 0.0))
 
             def block(b, carried):
                 blk = builder.gep(wrow, [builder.mul(b, ir.Constant(I64, size))])
@@ -288,14 +266,14 @@ def k5_rows(kind: str):
                     da = _load(builder, drow, builder.mul(b, ir.Constant(I64, 4)), F32)
                     d = _broadcast(builder, builder.fmul(da, dw), V8F32)
                     at = builder.trunc(t, I32)
-                    acc_p = slot(accs, at)
+                    acc_p = _slot(builder, accs, at)
                     builder.store(_fma(builder, d, builder.sitofp(isum, V8F32), builder.load(acc_p)), acc_p)
                     if dmin_at is not None:  # -y.d * dmin: exact negation; GCC's contracted summs += dmin * m
                         dmin = builder.fneg(builder.fmul(da, _half(builder, blk, dmin_at)))
                         bsrow = _row(context, builder, signature.args[6], bs_, r)
                         bsblk = builder.gep(bsrow, [builder.mul(b, ir.Constant(I64, 32))])
                         msum = builder.sitofp(_min_sum(builder, bsblk, mins), F32)
-                        s_p = slot(summs, at)
+                        s_p = _slot(builder, summs, at)
                         builder.store(_fma(builder, dmin, msum, builder.load(s_p)), s_p)
                     return []
 
@@ -307,9 +285,9 @@ def k5_rows(kind: str):
 
             def store(t, _):
                 at = builder.trunc(t, I32)
-                y = _hsum_float_8(builder, builder.load(slot(accs, at)))
+                y = _hsum_float_8(builder, builder.load(_slot(builder, accs, at)))
                 if dmin_at is not None:
-                    y = builder.fadd(y, builder.load(slot(summs, at)))
+                    y = builder.fadd(y, builder.load(_slot(builder, summs, at)))
                 orow = _row(context, builder, signature.args[-1], out_, builder.add(t0_, t))
                 builder.store(y, builder.bitcast(builder.gep(orow, [col]), F32.as_pointer()), align=4)
                 return []
