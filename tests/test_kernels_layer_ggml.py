@@ -3,7 +3,8 @@ integer products), bit-identical to `Model.block`.
 
 As tests/test_kernels_layer.py: the same model loaded twice, the fused block switched off in one, a 5-token
 prefill and 8 decode steps on both, equal logits and KV caches (`np.array_equal`), and every decode block of
-the second went through the fused call.
+the second went through the fused call. Gemma-style blocks (Q/K norms, Q scaling, GELU, post-norms, windows):
+synthetic gemma/gemma2/gemma3/qwen3 layers and Gemma 3 270M.
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ import pytest
 import ggufpy
 from conformance.fixtures import ROLES, TinyLlama, fixture_path, write_tiny_llama
 from ggufpy.constants import GGMLType
-from ggufpy.kernels import int8dot, layer_ggml
+from ggufpy.kernels import int8dot, layer_ggml, layer_ggml_steps
 from ggufpy.kernels._numba import DISABLED
+from ggufpy.numerics import gelu_tanh_ggml
 from ggufpy.quants import quant_type
-from tests.models import smollm2_path
+from tests.models import gemma3_path, smollm2_path
 
 if DISABLED or not int8dot.AVAILABLE:
     pytest.skip("the integer kernels need numba and AVX2", allow_module_level=True)
@@ -68,6 +70,8 @@ def assert_same(ref, fast, calls, fused_layers=None):
     lb, cb = decode(fast)
     n_layers = ref.config.n_layers if fused_layers is None else fused_layers
     assert len(calls) == N_DECODE * n_layers, calls
+    if fused_layers is None:  # every layer of every decode step, in order
+        assert calls == list(range(n_layers)) * N_DECODE, calls
     for step, (a, b) in enumerate(zip(la, lb, strict=True)):
         assert np.array_equal(a, b), f"step {step}: max |diff| {np.abs(a - b).max()}"
     for i in ca.layers:
@@ -150,12 +154,98 @@ def test_smollm2_bit_identical(mode):
     assert_file_same(smollm2_path(), mode)
 
 
+# -- Gemma-style blocks: Q/K norms per head, Q scaling, GELU, post-norms, sliding windows ---------------------------
+
+
+def gemma_like(directory, arch: str, attn_softcap: float | None = None):
+    """A synthetic `arch` model (Q4_0, V in Q8_0: Q8_0 activations; Q4_1 down: Q8_1 ones): gemma3 (Q/K norms
+    per head, Q scaling, GELU, post-norms; a window of 4 on 6 of its 7 layers, over 13 positions), gemma2
+    (post-norms, Q scaling, GELU, a window of 4 on every other layer, a final softcap; `attn_softcap` on the
+    attention), gemma (Q scaling, GELU), qwen3 (Q/K norms per head, SiLU)."""
+    windowed = arch in ("gemma2", "gemma3")
+    spec = TinyLlama(
+        arch=arch, dim=256, hidden_dim=512, n_layers=7 if arch == "gemma3" else 4 if arch == "gemma2" else 2,
+        n_heads=4, n_kv_heads=2, tied_output=arch.startswith("gemma"), sliding_window=4 if windowed else None,
+        attn_softcap=attn_softcap, final_softcap=8.0 if arch == "gemma2" else None,
+        types={**dict.fromkeys(ROLES, GGMLType.Q4_0), "attn_v": GGMLType.Q8_0, "ffn_down": GGMLType.Q4_1,
+               "embd": GGMLType.Q8_0, "output": GGMLType.Q8_0},
+    )  # fmt: skip
+    name = f"{arch}{'_softcap' if attn_softcap else ''}.gguf"
+    path = directory / name
+    return path if path.exists() else write_tiny_llama(path, spec)
+
+
+@pytest.fixture(scope="module")
+def gemma_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("layer_ggml_gemma")
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "gemma2", "gemma", "qwen3"])
+@pytest.mark.parametrize("mode", MODES)
+def test_gemma_steps_bit_identical(gemma_dir, arch, mode):
+    """Each optional step goes through the fused call, bit for bit `Model.block`: the windows (gemma3: layers
+    0-4 and 6; gemma2: 0 and 2) cut keys off during the 13 positions."""
+    path = gemma_like(gemma_dir, arch)
+    model = load(path, mode)
+    cfg, w = model.config, model.weights.layers[0]
+    assert layer_ggml.can_fuse(cfg, w, model.backend)
+    assert (w.attn_q_norm is not None) == (arch in ("gemma3", "qwen3"))
+    assert (w.post_ffw_norm is not None) == (arch in ("gemma2", "gemma3"))
+    assert cfg.arch.scale_q == arch.startswith("gemma")
+    if arch == "gemma3":
+        assert [cfg.window(i) for i in range(7)] == [4] * 5 + [None, 4]
+    silu = {"llamacpp": layer_ggml_steps.ACT_PLAIN, "llamacpp-avx2": layer_ggml_steps.ACT_LANES}[mode]
+    kind = layer_ggml_steps.ACT_TABLE if cfg.arch.activation == "gelu_tanh" else silu  # the activation's kernel
+    assert layer_ggml.fused_layer(model.backend, cfg, w).dims[4] == kind
+    assert_file_same(path, mode)
+
+
+def test_gemma2_attention_softcap_falls_back(gemma_dir):
+    """An attention softcap (gemma2's files) has no compiled x86 kernel: `Model.block` runs those layers."""
+    path = gemma_like(gemma_dir, "gemma2", attn_softcap=5.0)
+    model = load(path, "llamacpp-avx2")
+    assert model.config.attn_softcap == 5.0
+    assert not layer_ggml.can_fuse(model.config, model.weights.layers[0], model.backend)
+    calls: list[int] = []
+    decode(counted(model, calls), n=2)
+    assert calls == []
+
+
+def test_gelu_matches_numerics():
+    """The fused blocks' GELU (`layer_ggml_steps.gelu_ggml`) equals the numerics' NumPy `gelu_tanh_ggml` bit for bit:
+    every f16 value, random f32 values around the table's range, its ends, infinities and NaNs."""
+    rng = np.random.default_rng(1)
+    every_f16 = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
+    ends = np.float32([-10, 10, 9.999999, -9.999999, 10.000001, -10.000001, 65504, 65520, -65520, 1e-8, -1e-8])
+    ends = np.concatenate([ends, np.float32([np.inf, -np.inf, np.nan, -np.nan, 0.0, -0.0])])
+    normal = (rng.standard_normal(50_000) * 3).astype(np.float32)
+    x = np.concatenate([ends, every_f16, rng.uniform(-12, 12, 100_000).astype(np.float32), normal])
+    x = x[: len(x) // 64 * 64].reshape(-1, 64)  # rows of 64
+    with np.errstate(invalid="ignore"):
+        expected = gelu_tanh_ggml(x)
+    got = layer_ggml_steps.gelu_ggml(x)
+    assert np.array_equal(got.view(np.uint32), expected.view(np.uint32))
+
+
+@pytest.mark.parametrize("threads", [2, pytest.param(1, marks=pytest.mark.slow)])
+def test_gemma3_bit_identical(threads):
+    """Gemma 3 270M (Q5_0, Q8_0, Q4_K, Q6_K; Q/K norms, Q scaling, GELU, post-norms, a window of 512 on 15 of
+    its 18 layers): every decode block through the fused call, bit for bit `Model.block`."""
+    assert_file_same(gemma3_path(), "llamacpp-avx2", threads)
+
+
+@pytest.mark.slow
+def test_gemma3_bit_identical_avx512_replay():
+    assert_file_same(gemma3_path(), "llamacpp")
+
+
 def test_every_integer_type_resolves():
     """Every type with an integer kernel gets a fused product: a jitted kernel and its argument family (Q8_K
     activations: q, d, bsums; Q8_0 / Q8_1: q, d, s, asum, or q, d, asum behind the FP4 wrappers), for weights
     as stored (12 rows) and as eight-row groups (8 rows)."""
     from tests.test_kernels_int8 import random_weight
 
+    steps = layer_ggml_steps
     rng = np.random.default_rng(3)
     seen = set()
     for t, (fmt, _size, block) in int8dot.INT8_TYPES.items():
@@ -164,12 +254,12 @@ def test_every_integer_type_resolves():
             if iw is None:  # Q4_K of 12 rows: the f32-lane kernels
                 assert t == GGMLType.Q4_K and rows % 8
                 continue
-            kernel, family, args = layer_ggml._product_kernel(iw)
+            kernel, family, args = steps._product_kernel(iw)
             assert kernel.py_func is not None
-            assert (family == layer_ggml.FAM_K) == (fmt == int8dot.Q8_K), t
-            assert len(args) == {layer_ggml.FAM_K: 3, layer_ggml.FAM_Q0: 4, layer_ggml.FAM_ASUM: 3}[family]
+            assert (family == steps.FAM_K) == (fmt == int8dot.Q8_K), t
+            assert len(args) == {steps.FAM_K: 3, steps.FAM_Q0: 4, steps.FAM_ASUM: 3}[family]
             seen.add(family)
-    assert seen == {layer_ggml.FAM_K, layer_ggml.FAM_Q0, layer_ggml.FAM_ASUM}
+    assert seen == {steps.FAM_K, steps.FAM_Q0, steps.FAM_ASUM}
 
 
 def test_f16_bits_match_numpy():
@@ -180,7 +270,7 @@ def test_f16_bits_match_numpy():
     @njit
     def convert(x, out):
         for i in range(x.size):
-            out[i] = layer_ggml._f16_bits(x[i])
+            out[i] = layer_ggml_steps._f16_bits(x[i])
 
     rng = np.random.default_rng(0)
     bits = rng.integers(0, 1 << 32, 200_000, dtype=np.uint64).astype(np.uint32)

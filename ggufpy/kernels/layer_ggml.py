@@ -10,28 +10,36 @@ block and calls the *same* compiled kernels `Model.block` calls through `NumbaBa
 same types, in the same order:
 
     _rms_norm -> quantize (each activation format the Q/K/V weights read, `int8dot.quantize`) -> Q, K, V
-    products (`int8dot.product`: the weight's integer kernel) -> `glue_ggml._rope` (q, k) -> K/V rounded to
-    f16 into the cache -> `x86_decode._attention_one` -> quantize -> O product -> + h -> _rms_norm ->
-    quantize -> gate, up products -> SiLU (`glue_ggml._silu_rows`, or the AVX2 build's `x86._silu_rows`)
-    -> * up -> quantize -> down product -> + h
+    products (`int8dot.product`: the weight's integer kernel) -> [_rms_norm of each Q and K head] ->
+    `glue_ggml._rope` (q, k) -> [q * 1/sqrt(E)] -> K/V rounded to f16 into the cache ->
+    `x86_decode._attention_one` -> quantize -> O product -> [_rms_norm] -> + h -> _rms_norm -> quantize ->
+    gate, up products -> the activation -> * up -> quantize -> down product -> [_rms_norm] -> + h
 
 at their addresses (`_numba.native`, `call_native`), so the block compiles only its glue and its values are
-`Model.block`'s bit for bit (tests/test_kernels_layer_ggml.py). The kernels' argument lists differ by type;
-they come in three families (`FAMILIES`): Q8_K activations (q, d, bsums), Q8_0/Q8_1 (q, d, s, asum), and
-the FP4 kernels behind Python wrappers that take q, d, asum (`_ADAPTERS` resolves a wrapper to the jitted
-kernel it calls for that weight). Each product's family and activation format are data (`kinds`), so one
-compiled block serves every weight type: it is compiled per argument types only (the weights' array types).
+`Model.block`'s bit for bit (tests/test_kernels_layer_ggml.py). The steps in brackets are the optional ones of
+the exact numerics' block (`layer.optional_steps`: Q/K norms per head, Q scaling, post-norms; each off with an
+empty weight or a 0), for gemma, gemma2, gemma3 and qwen3. The activation is the compiled function
+`Model.feed_forward` calls in this numerics: SiLU (`glue_ggml._silu_rows`, or the AVX2 build's
+`x86._silu_rows`), or ggml's fp16-table GELU, which the numerics computes in NumPy and
+`layer_ggml_steps._gelu_ggml` looks up in the same table. The kernels' argument lists differ by type; they come
+in three families (`layer_ggml_steps.FAM_*`): Q8_K activations (q, d, bsums), Q8_0/Q8_1 (q, d, s, asum), and
+the FP4 kernels behind Python wrappers that take q, d, asum (`layer_ggml_steps._adapters` resolves a wrapper to
+the jitted kernel it calls for that weight). Each product's family and activation format are data (`kinds`),
+so one compiled block serves every weight type: it is compiled per argument types only (the weights' array
+types).
 
 Scope (`can_fuse`): NumbaBackend running the integer kernels (`NumbaBackend._integer`: llamacpp numerics,
-x86 activation rounding), every one of the seven matrices with an integer kernel (`int8dot.weight`), plain
-llama-style blocks (`layer.can_fuse`'s conditions: no biases, Q/K norms, post-norms, softcap, Q scaling;
-SiLU), ggml's compiled x86 attention over an f16 `KVCache`. The rest goes through `Model.block`. The block
-compiles in the background (`BACKGROUND`); until it is ready `decode_block` returns None (same values).
+x86 activation rounding), every one of the seven matrices with an integer kernel (`int8dot.weight`),
+llama-style blocks with or without per-head Q/K norms (qwen3, gemma3), post-norms and Q scaling (gemma2/3),
+SiLU or GELU, a sliding window; ggml's compiled x86 attention over an f16 `KVCache`. Not in it: an attention
+softcap (gemma2 files: `x86_decode._attention_one` has none, so `NumbaBackend.attention` runs the NumPy
+replay and so does `Model.block` here), Q/K norms over all heads (olmo2), biases, sinks, a residual scale,
+experts. The rest goes through `Model.block`. The block compiles in the background (`BACKGROUND`); until it
+is ready `decode_block` returns None (same values).
 """
 
 from __future__ import annotations
 
-import functools
 import weakref
 
 import numpy as np
@@ -40,8 +48,22 @@ from ..numerics import rope_ggml
 from ..quants.x86.attention import n_kv_cells
 from . import glue_ggml, int8dot, x86
 from ._numba import call_native, compiled_in_background, jit, native
-from .activations import f32_to_f16_bits
 from .backend import NumbaBackend, _is_x86_attention
+from .layer import optional_steps
+from .layer_ggml_steps import (
+    FAM_K,
+    FAM_Q0,
+    _activation,
+    _f16_bits,
+    _head_norms,
+    _post_norm,
+    _product_native,
+    _sample_activations,
+    _scale_q,
+    _Unfusable,
+    activation_kernel,
+    activation_native,
+)
 from .ops import _rms_norm
 from .x86_decode import _attention_one
 
@@ -50,23 +72,9 @@ __all__ = ["FusedGgmlLayer", "can_fuse", "decode_block", "fused_layer"]
 # Compile `_block` in the background the first time and run `Model.block` meanwhile (the same values).
 BACKGROUND = True
 
-# slots of the kernel addresses a block calls (`FusedGgmlLayer.fns`): the seven products, then the glue
-WQ, WK, WV, WO, WG, WU, WD, NORM1, NORM2, ROPE, ATTN, SILU, QUANT0, QUANTK = range(14)
-# argument lists of the product kernels: (nt, w, q, d, bsums, out), (nt, w, q, d, s, asum, out), (nt, w, q, d,
-# asum, out)
-FAM_K, FAM_Q0, FAM_ASUM = range(3)
-FORMATS = {int8dot.Q8_0: 0, int8dot.Q8_1: 1, int8dot.Q8_K: 2}  # activation format -> its bit in `_formats`
-
-
-@jit(inline=True)
-def _f16_bits(x):
-    """NumPy's f32 -> f16 conversion as bits (what `cache.update` stores): `f32_to_f16_bits`, with NaNs as NumPy
-    keeps them (the top 10 payload bits, never an infinity)."""
-    u = np.int64(np.float32(x).view(np.uint32))
-    if (u & 0x7F800000) == 0x7F800000 and (u & 0x007FFFFF) != 0:
-        payload = (u & 0x007FFFFF) >> 13
-        return np.uint16(((u >> 16) & 0x8000) | 0x7C00 | (payload if payload != 0 else 1))
-    return np.uint16(f32_to_f16_bits(x))
+# slots of the kernel addresses a block calls (`FusedGgmlLayer.fns`): the seven products, then the glue (NORM1
+# also norms Q/K heads and the attention output, NORM2 the FFN output: `_rms_norm` both)
+WQ, WK, WV, WO, WG, WU, WD, NORM1, NORM2, ROPE, ATTN, ACT, QUANT0, QUANTK = range(14)
 
 
 @jit(inline=True)
@@ -140,12 +148,17 @@ def _block(
     pos,
     scale,
     sinks,
+    steps,
+    q_scale,
     dims,
 ):
     """The block for one token h (1, D) at position `pos`; kc, vc: the layer's f16 cache as u16 bits (capacity,
-    G, E); dims: the integers of `FusedGgmlLayer.dims`. Each kernel is called at its address (fns[slot],
+    G, E); steps: the optional steps' weights (Q norm, K norm, post-attention norm, post-FFN norm, each (0,)
+    where the layer has none) and the activation's table (`FusedGgmlLayer.steps`); q_scale: Q's scale after
+    RoPE or 0; dims: the integers of `FusedGgmlLayer.dims`. Each kernel is called at its address (fns[slot],
     keys[slot]: `native`)."""
-    n_heads, n_kv_heads, head_dim, hidden, silu_lanes, lanes, hp, window, n_kv = dims
+    n_heads, n_kv_heads, head_dim, hidden, act_kind, act_lanes, lanes, hp, window, n_kv = dims
+    q_norm, k_norm, post_attn_norm, post_ffw_norm, act_table = steps
     D = h.shape[1]
     Q = n_heads * head_dim
     K = n_kv_heads * head_dim
@@ -160,10 +173,13 @@ def _block(
     _product(fns, keys, kinds, WQ, nt, wq, acts, yq)
     _product(fns, keys, kinds, WK, nt, wk, acts, yk)
     _product(fns, keys, kinds, WV, nt, wv, acts, yv)
+    q = _head_norms(fns, keys, NORM1, yq.reshape((1, n_heads, head_dim)), q_norm, eps)  # (1, H, E)
+    k = _head_norms(fns, keys, NORM1, yk.reshape((1, n_kv_heads, head_dim)), k_norm, eps)  # (1, G, E)
     qr = np.empty((1, n_heads, head_dim), np.float32)  # (1, H, E)
     kr = np.empty((1, n_kv_heads, head_dim), np.float32)  # (1, G, E)
-    call_native(fns[ROPE], keys[ROPE], (yq.reshape((1, n_heads, head_dim)), cos, sin, neox, qr))
-    call_native(fns[ROPE], keys[ROPE], (yk.reshape((1, n_kv_heads, head_dim)), cos, sin, neox, kr))
+    call_native(fns[ROPE], keys[ROPE], (q, cos, sin, neox, qr))
+    call_native(fns[ROPE], keys[ROPE], (k, cos, sin, neox, kr))
+    _scale_q(qr, q_scale)
     # cache.update, element by element (an array assignment compiles numba's shape-mismatch messages)
     for g in range(n_kv_heads):
         for e in range(head_dim):
@@ -176,6 +192,7 @@ def _block(
     acts = _quantized(fns, keys, attn.reshape((1, Q)), _formats(kinds, WO, WO + 1))
     yo = np.empty((1, D), np.float32)
     _product(fns, keys, kinds, WO, nt, wo, acts, yo)
+    yo = _post_norm(fns, keys, NORM1, yo, post_attn_norm, eps)
     h1 = np.empty((1, D), np.float32)
     for c in range(D):
         h1[0, c] = h[0, c] + yo[0, c]
@@ -189,89 +206,34 @@ def _block(
     _product(fns, keys, kinds, WG, nt, wg, acts, gate)
     _product(fns, keys, kinds, WU, nt, wu, acts, up)
     act = np.empty((1, hidden), np.float32)
-    if silu_lanes == 0:
-        call_native(fns[SILU], keys[SILU], (gate, act))
-    else:
-        call_native(fns[SILU], keys[SILU], (gate, silu_lanes, act))
+    _activation(fns, keys, ACT, act_kind, act_lanes, act_table, gate, act)
     for c in range(hidden):
         act[0, c] = act[0, c] * up[0, c]
     acts = _quantized(fns, keys, act, _formats(kinds, WD, WD + 1))
     yd = np.empty((1, D), np.float32)
     _product(fns, keys, kinds, WD, nt, wd, acts, yd)
+    yd = _post_norm(fns, keys, NORM2, yd, post_ffw_norm, eps)
     out = np.empty((1, D), np.float32)
     for c in range(D):
         out[0, c] = h1[0, c] + yd[0, c]
     return out
 
 
-# -- the kernels' argument lists --------------------------------------------------------------------------------------
-
-
-@functools.cache
-def _adapters() -> dict:
-    """`int8dot` kernels that are Python wrappers (the FP4 types) -> f(weight rows) = the jitted kernel the
-    wrapper calls for them and one activation row, all of family FAM_ASUM (int8ir_fp4.py, int8ir_fp4_x8.py:
-    keep in step with the wrappers)."""
-    from . import int8ir_fp4, int8ir_fp4_x8
-
-    return {
-        int8ir_fp4.mxfp4_kernel: lambda w: int8ir_fp4._mv_mxfp4_8 if w.shape[0] % 8 == 0 else int8ir_fp4._mv_mxfp4,
-        int8ir_fp4.nvfp4_kernel: lambda w: int8ir_fp4._mv_nvfp4,
-        int8ir_fp4_x8.mxfp4x8_kernel: lambda w: int8ir_fp4_x8._mv_mxfp4x8,
-    }
-
-
-class _Unfusable(Exception):
-    """A weight whose integer kernel is neither jitted nor a known wrapper (`_adapters`)."""
-
-
-def _sample_activations(fmt: str, C: int) -> tuple[np.ndarray, ...]:
-    """Arrays of the types `int8dot.quantize` gives for format `fmt` (one row of C): q, d, then s, asum or
-    bsums."""
-    q, d = np.zeros((1, C), np.int8), np.zeros((1, max(1, C // 32)), np.float32)
-    if fmt == int8dot.Q8_K:
-        return q, d, np.zeros((1, max(1, C // 16)), np.int16)
-    return q, d, np.zeros((1, C // 32), np.float32), np.zeros((1, C // 4), np.int32)
-
-
-def _product_kernel(iw: int8dot.Int8Weight) -> tuple[object, int, tuple[np.ndarray, ...]]:
-    """(the jitted kernel `int8dot.product` runs for `iw`, its family, sample activation arguments)."""
-    q, d, *rest = _sample_activations(iw.fmt, iw.cols)
-    adapter = _adapters().get(iw.kernel)
-    if adapter is not None:
-        return adapter(iw.raw), FAM_ASUM, (q, d, rest[-1])
-    if getattr(iw.kernel, "py_func", None) is None:  # not a numba function
-        raise _Unfusable
-    return iw.kernel, FAM_K if iw.k_type else FAM_Q0, (q, d, *rest)
-
-
-def _product_native(iw: int8dot.Int8Weight) -> tuple[tuple[int, int], tuple[int, int]]:
-    """((address, key) of the jitted kernel `int8dot.product` runs for `iw`, (family, format))."""
-    kernel, family, args = _product_kernel(iw)
-    return native(kernel, (1, iw.raw, *args, np.zeros((1, iw.rows), np.float32))), (family, FORMATS[iw.fmt])
-
-
-def _silu_kernel(compiled) -> tuple[object, int] | None:
-    """(kernel, lanes argument or 0 for none) of the compiled SiLU `Model.feed_forward` calls, or None."""
-    if compiled is glue_ggml.silu_rows:
-        return glue_ggml._silu_rows, 0
-    if isinstance(compiled, functools.partial) and compiled.func is x86.silu_rows and not compiled.args:
-        return x86._silu_rows, x86.ISA_LANES[compiled.keywords.get("isa", "avx512")]
-    return None
-
-
 _NO_SINKS = np.empty(0, np.float32)
 _MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 # layer weights outside the block (the steps `Model.block` takes for them are not here)
 _UNFUSED = (
-    "attn_qkv", "attn_q_bias", "attn_k_bias", "attn_v_bias", "attn_q_norm", "attn_k_norm", "attn_output_bias",
-    "attn_sinks", "post_attention_norm", "post_ffw_norm", "ffn_gate_inp", "mixer",
+    "attn_qkv", "attn_q_bias", "attn_k_bias", "attn_v_bias", "attn_output_bias", "attn_sinks", "ffn_gate_inp",
+    "mixer",
 )  # fmt: skip
 
 
 def can_fuse(config, w, backend) -> bool:
     """Whether `decode_block` computes layer weights `w` of a model with `config` on `backend` (the
-    layer-independent conditions and the weights; `decode_block` checks T == 1 and the cache)."""
+    layer-independent conditions and the weights; `decode_block` checks T == 1 and the cache, `Model.forward`
+    the architecture's per-layer steps, `ModelConfig.fused_block`). Not here: an attention softcap (gemma2's
+    files: the compiled x86 attention has none, `NumbaBackend.attention` runs the NumPy replay), Q/K norms
+    over all heads (olmo2), biases, a residual scale, the FP4 types' rows forms in `layer_ggml_rows`."""
     if type(backend) is not NumbaBackend or not backend._integer:
         return False
     nm = backend.numerics
@@ -280,17 +242,21 @@ def can_fuse(config, w, backend) -> bool:
         or backend.compiled.get(nm.rope) is not glue_ggml.rope_ggml
         or nm.rope is not rope_ggml
         or nm.kv_dtype != np.float16
-        or _silu_kernel(backend.compiled.get(nm.activations.get("silu"))) is None
+        or activation_kernel(backend, config.arch.activation) is None
         or (backend.blas_rows is not None and backend.blas_rows <= 1)
     ):
         return False
-    arch = config.arch
-    if arch.activation != "silu" or arch.scale_q or config.attn_softcap or config.residual_scale:
+    if config.attn_softcap or config.residual_scale or config.arch.qk_norm_span != "head":
         return False
     if any(getattr(w, name, None) is not None for name in _UNFUSED):
         return False
-    if w.attn_norm is None or w.ffn_norm is None:
+    if w.attn_norm is None or w.ffn_norm is None or (w.attn_q_norm is None) != (w.attn_k_norm is None):
         return False
+    D, E = config.dim, config.head_dim
+    norms = {"attn_norm": D, "ffn_norm": D, "attn_q_norm": E, "attn_k_norm": E, "post_attention_norm": D}
+    norms["post_ffw_norm"] = D
+    if any(getattr(w, name) is not None and getattr(w, name).shape != (n,) for name, n in norms.items()):
+        return False  # (the RMSNorm kernel reads `n` weights unchecked)
     mats = [getattr(w, name, None) for name in _MATRICES]
     if any(m is None or len(m.shape) != 2 or backend.int8_weight(m) is None for m in mats):
         return False
@@ -322,23 +288,23 @@ class FusedGgmlLayer:
         self.n_heads, self.n_kv, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
         self.hidden = iws[4].rows
         self.o_rows = iws[3].rows
-        # 1.0f/sqrtf(E) or the model's attention.scale, as `Model.attention`
-        self.scale = np.float32(config.attention_scale or np.float32(1.0) / np.sqrt(np.float32(config.head_dim)))
+        # the attention's scale (1.0f/sqrtf(E), the file's attention.scale, or 1 with Q scaled: `scale_q`) and
+        # the optional steps' weights, as `Model.attention` and `Model._residual` take them (exact numerics' too)
+        self.scale, self.q_scale, *norms = optional_steps(config, w)
+        act, act_kind, act_lanes, act_table = activation_native(backend, config.arch.activation, self.hidden)
+        self.steps = (*norms, act_table)  # Q norm, K norm, post-attention norm, post-FFN norm, activation table
         lanes = x86.ISA_LANES[nm.x86_isa]
-        silu, silu_lanes = _silu_kernel(backend.compiled.get(nm.activations["silu"]))
-        self.dims = (self.n_heads, self.n_kv, self.head_dim, self.hidden, silu_lanes, lanes)  # + hp, window, n_kv
-        D, Q, F = config.dim, self.n_heads * self.head_dim, self.hidden
+        dims = (self.n_heads, self.n_kv, self.head_dim, self.hidden, act_kind, act_lanes, lanes)
+        self.dims = dims  # + hp, window, n_kv per call
+        D, Q = config.dim, self.n_heads * self.head_dim
         f32 = np.float32
         row, q3, k3 = np.zeros((1, D), f32), np.zeros((1, self.n_heads, 1), f32), np.zeros((1, 1, 1), np.uint16)
-        silu_args = (np.zeros((1, F), f32), np.zeros((1, F), f32))
-        if silu_lanes:
-            silu_args = (silu_args[0], silu_lanes, silu_args[1])
         glue = [
             native(_rms_norm, (row, self.attn_norm, self.eps, row)),
             native(_rms_norm, (row, self.ffn_norm, self.eps, row)),
             native(glue_ggml._rope, (q3, np.zeros((1, 1), f32), np.zeros((1, 1), f32), self.neox, q3)),
             native(_attention_one, (q3[0], k3, k3, 0, 1, 256, self.scale, 0, _NO_SINKS, 16, 1, 1, q3[0])),
-            native(silu, silu_args),
+            act,
             native(int8dot._quantize_q8_0, (np.zeros((1, Q), f32), True, *_sample_activations(int8dot.Q8_0, 32))),
             native(int8dot._quantize_q8_k, (row, *_sample_activations(int8dot.Q8_K, 256))),
         ]
@@ -369,6 +335,8 @@ class FusedGgmlLayer:
             pos,
             self.scale,
             _NO_SINKS,
+            self.steps,
+            self.q_scale,
             (*self.dims, hp, window, n_kv_cells(pos + 1)),  # the cells attention reads, as `x86.attention`
         )
         if not self.ready:

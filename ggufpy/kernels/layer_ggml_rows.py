@@ -6,24 +6,28 @@ rows in the exact numerics.
     h = layer_ggml_rows.decode_rows(backend, cfg, w, i, h, positions, cos, sin, caches)   # None: use block_rows
 
 `Model.block_rows` in this numerics is ~25 compiled calls per layer with Python and NumPy between them, and
-the attention, the K/V writes and the SiLU once per row: on SmolLM2 at B = 8 about a third of a step. Here one
+the attention, the K/V writes and the activation once per row: on SmolLM2 at B = 8 about a third of a step. Here one
 jitted function runs the block and calls the same compiled kernels, at their addresses (`_numba.native`), with
 arguments of the same types, in the same order as the rows path:
 
     _rms_norm (all rows) -> quantize (each activation format Q/K/V read) -> Q, K, V products
-    (`int8rows.product_rows`' kernel of each weight) -> `glue_ggml._rope` (q, k; row r at its own angles)
-    -> K/V of every row rounded to f16 into its cache -> `x86_decode._attention_one` per row -> quantize
-    -> O product -> + h -> _rms_norm -> quantize -> gate, up products -> SiLU per row -> * up -> quantize
-    -> down product -> + h
+    (`int8rows.product_rows`' kernel of each weight) -> [_rms_norm of each Q and K head, all rows] ->
+    `glue_ggml._rope` (q, k; row r at its own angles) -> [q * 1/sqrt(E)] -> K/V of every row rounded to f16
+    into its cache -> `x86_decode._attention_one` per row -> quantize -> O product -> [_rms_norm] -> + h ->
+    _rms_norm -> quantize -> gate, up products -> the activation per row -> * up -> quantize -> down product
+    -> [_rms_norm] -> + h
 
 so each row is bit for bit `Model.block_rows`'s, which is that token decoded alone (batch invariance,
-tests/test_kernels_layer_ggml_rows.py). A product whose kernel changes its steps with the row count and has
-no rows form (the tiled kernels from 8 rows, Q4_K in GGUF rows, the low-bit types) takes its rows in chunks of
-`int8rows.ONE_ROW_BELOW` - 1, as `product_rows` does.
+tests/test_kernels_layer_ggml_rows.py). The bracketed steps and the activation (SiLU, or ggml's fp16-table
+GELU) are `layer_ggml.py`'s (`layer_ggml_steps`): Gemma 2/3-style layers take the same call. A product whose
+kernel changes its steps with the row count and has no rows form (the tiled kernels from 8 rows, Q4_K in GGUF
+rows, the low-bit types) takes its rows in chunks of `int8rows.ONE_ROW_BELOW` - 1, as `product_rows` does.
 
-Scope: `layer_ggml.can_fuse` (the llama-style block of the one-token fused block) with jitted integer kernels
-(not the FP4 wrappers), f16 `KVCache`s. The rest goes through `Model.block_rows`. The block compiles in the
-background (`BACKGROUND`); until it is ready `decode_rows` returns None (same values).
+Scope (`fused_rows`): the layers `Model.forward` gives the one-token fused block (`ModelConfig.fused_block`:
+not a NoPE layer, not a temperature-scaled Q) within `layer_ggml.can_fuse` (llama-style blocks with or without
+Q/K norms per head, Q scaling, post-norms, GELU, windows; no attention softcap: gemma2's files), with jitted
+integer kernels (not the FP4 wrappers), f16 `KVCache`s. The rest goes through `Model.block_rows`. The block
+compiles in the background (`BACKGROUND`); until it is ready `decode_rows` returns None (same values).
 """
 
 from __future__ import annotations
@@ -39,13 +43,13 @@ from .batched_ir import carray, u16_pointer
 from .layer_ggml import (
     _MATRICES,
     _NO_SINKS,
+    ACT,
     ATTN,
     NORM1,
     NORM2,
     QUANT0,
     QUANTK,
     ROPE,
-    SILU,
     WD,
     WG,
     WK,
@@ -54,13 +58,19 @@ from .layer_ggml import (
     WU,
     WV,
     FusedGgmlLayer,
-    _adapters,
-    _f16_bits,
     _formats,
     _product,
-    _product_kernel,
-    _Unfusable,
     can_fuse,
+)
+from .layer_ggml_steps import (
+    _activation,
+    _adapters,
+    _f16_bits,
+    _head_norms,
+    _post_norm,
+    _product_kernel,
+    _scale_q,
+    _Unfusable,
 )
 from .layer_rows import _Step
 
@@ -148,11 +158,15 @@ def _block_rows(
     n_kv,
     scale,
     sinks,
+    steps,
+    q_scale,
     dims,
 ):
     """The block for N rows h (N, D), row r at position pos[r] of the cache whose layer arrays (f16 bits as u16,
-    (capacity, G, E)) start at k_at[r], v_at[r]; n_kv[r]: the cells its attention reads (`n_kv_cells`)."""
-    n_heads, n_kv_heads, head_dim, hidden, silu_lanes, lanes, hp, window = dims
+    (capacity, G, E)) start at k_at[r], v_at[r]; n_kv[r]: the cells its attention reads (`n_kv_cells`); steps,
+    q_scale: the optional steps of `layer_ggml._block`, on every row."""
+    n_heads, n_kv_heads, head_dim, hidden, act_kind, act_lanes, lanes, hp, window = dims
+    q_norm, k_norm, post_attn_norm, post_ffw_norm, act_table = steps
     N, D = h.shape
     Q = n_heads * head_dim
     K = n_kv_heads * head_dim
@@ -167,10 +181,14 @@ def _block_rows(
     _product_rows(fns, keys, kinds, WQ, nt, wq, acts, yq)
     _product_rows(fns, keys, kinds, WK, nt, wk, acts, yk)
     _product_rows(fns, keys, kinds, WV, nt, wv, acts, yv)
+    # each row's heads normed in one call, as `rms_norm` of (N, H, E): a row is reduced on its own
+    q = _head_norms(fns, keys, NORM1, yq.reshape((N, n_heads, head_dim)), q_norm, eps)  # (N, H, E)
+    k = _head_norms(fns, keys, NORM1, yk.reshape((N, n_kv_heads, head_dim)), k_norm, eps)  # (N, G, E)
     qr = np.empty((N, n_heads, head_dim), np.float32)  # (N, H, E)
     kr = np.empty((N, n_kv_heads, head_dim), np.float32)  # (N, G, E)
-    call_native(fns[ROPE], keys[ROPE], (yq.reshape((N, n_heads, head_dim)), cos, sin, neox, qr))
-    call_native(fns[ROPE], keys[ROPE], (yk.reshape((N, n_kv_heads, head_dim)), cos, sin, neox, kr))
+    call_native(fns[ROPE], keys[ROPE], (q, cos, sin, neox, qr))
+    call_native(fns[ROPE], keys[ROPE], (k, cos, sin, neox, kr))
+    _scale_q(qr, q_scale)
     # every row's `cache.update` before any attention: a row reads its cache's positions 0..its own only
     for r in range(N):
         p = pos[r]
@@ -190,6 +208,7 @@ def _block_rows(
     acts = _quantized_rows(fns, keys, attn.reshape((N, Q)), _formats(kinds, WO, WO + 1))
     yo = np.empty((N, D), np.float32)
     _product_rows(fns, keys, kinds, WO, nt, wo, acts, yo)
+    yo = _post_norm(fns, keys, NORM1, yo, post_attn_norm, eps)
     h1 = np.empty((N, D), np.float32)
     for r in range(N):
         for c in range(D):
@@ -205,18 +224,16 @@ def _block_rows(
     _product_rows(fns, keys, kinds, WU, nt, wu, acts, up)
     act = np.empty((N, hidden), np.float32)
     one, one_act = np.empty((1, hidden), np.float32), np.empty((1, hidden), np.float32)
-    for r in range(N):  # each row alone, as `Model.feed_forward` calls SiLU (SIMD body and scalar tail differ)
+    for r in range(N):  # each row alone, as `Model.feed_forward` calls the activation (SIMD body and tail differ)
         for c in range(hidden):
             one[0, c] = gate[r, c]
-        if silu_lanes == 0:
-            call_native(fns[SILU], keys[SILU], (one, one_act))
-        else:
-            call_native(fns[SILU], keys[SILU], (one, silu_lanes, one_act))
+        _activation(fns, keys, ACT, act_kind, act_lanes, act_table, one, one_act)
         for c in range(hidden):
             act[r, c] = one_act[0, c] * up[r, c]
     acts = _quantized_rows(fns, keys, act, _formats(kinds, WD, WD + 1))
     yd = np.empty((N, D), np.float32)
     _product_rows(fns, keys, kinds, WD, nt, wd, acts, yd)
+    yd = _post_norm(fns, keys, NORM2, yd, post_ffw_norm, eps)
     out = np.empty((N, D), np.float32)
     for r in range(N):
         for c in range(D):
@@ -269,6 +286,8 @@ class FusedGgmlRows(FusedGgmlLayer):
             n_kv,
             self.scale,
             _NO_SINKS,
+            self.steps,
+            self.q_scale,
             (*self.dims, hp, window),
         )
         if not self.ready:
@@ -281,8 +300,10 @@ class FusedGgmlRows(FusedGgmlLayer):
 _LAYERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # backend -> {id(LayerWeights): entry|False}
 
 
-def fused_rows(backend, config, w) -> FusedGgmlRows | None:
-    """The prepared FusedGgmlRows of weights `w` on `backend`, or None when the layer cannot be fused."""
+def fused_rows(backend, config, w, i: int) -> FusedGgmlRows | None:
+    """The prepared FusedGgmlRows of layer `i`'s weights `w` on `backend`, or None when the layer cannot be fused
+    (decided once per layer: what `Model.forward` asks before `decode_block`, `ModelConfig.fused_block`, e.g. no
+    NoPE layer, and `can_fuse`)."""
     try:
         per_backend = _LAYERS.setdefault(backend, {})
     except TypeError:  # a backend that cannot be weakly referenced
@@ -290,7 +311,7 @@ def fused_rows(backend, config, w) -> FusedGgmlRows | None:
     entry = per_backend.get(id(w))
     if entry is None or (entry is not False and entry.w is not w):
         entry = False
-        if can_fuse(config, w, backend):
+        if config.fused_block(i) and can_fuse(config, w, backend):
             try:
                 entry = FusedGgmlRows(config, w, backend)
             except _Unfusable:
@@ -309,7 +330,7 @@ def decode_rows(backend, config, w, i: int, h: np.ndarray, positions, cos, sin, 
     cannot be fused: then call `Model.block_rows`."""
     if DISABLED:
         return None
-    layer = fused_rows(backend, config, w)
+    layer = fused_rows(backend, config, w, i)
     if layer is None:
         return None
     step = _STEP[0] if _STEP and _STEP[0].matches(positions, caches) else None
