@@ -171,6 +171,7 @@ def test_row_invariant_activations_equal_row_by_row():
 
 
 @needs_numba
+@pytest.mark.slow  # ~4 min on 2 cores; test_kernels_layer_ggml_rows checks rows against each row alone by default
 @pytest.mark.parametrize("ffn_down", [GGMLType.Q6_K, GGMLType.Q2_K], ids=["integer", "mixed"])
 def test_llamacpp_numerics_batch_invariant(tmp_path, ffn_down):
     """The llamacpp numerics: integer kernels run each row as its one-row kernel (`int8rows.product_rows`: ggml's

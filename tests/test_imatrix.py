@@ -83,7 +83,7 @@ def test_cli_writes_llama_cpp_format(tiny_llama_path, tmp_path):
 
 
 @pytest.mark.conformance
-@pytest.mark.parametrize("numerics", ["exact", "host"])
+@pytest.mark.parametrize("numerics", ["exact", pytest.param("host", marks=pytest.mark.slow)])  # host: ~75 s
 def test_sums_match_llama_cpp_activations(numerics):
     """SmolLM2, 2 chunks of 64 tokens: ggufpy's sums against the same sums over llama.cpp's graph inputs
     (attn_norm, kqv_out, ffn_norm, ffn_swiglu). The activations themselves differ (llama.cpp quantizes the

@@ -100,6 +100,7 @@ def test_exact_numerics_leave_llamacpps_path(golden):
         assert greedy_alone(model, p["tokens"], n, golden["banned"]) != p["completion"], p["text"]
 
 
+@pytest.mark.slow  # ~60 s: greedy decodes of every golden prompt
 def test_golden_is_llamacpps_own(golden):
     """Live (llama-cpp-python installed, an AVX2 build): recording again gives the golden."""
     pytest.importorskip("llama_cpp")
