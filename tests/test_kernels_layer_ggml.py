@@ -227,6 +227,20 @@ def test_gelu_matches_numerics():
     assert np.array_equal(got.view(np.uint32), expected.view(np.uint32))
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_prefill_gelu_compiled_matches_numpy_backend(gemma_dir, mode):
+    """Outside the fused block (a prefill, the batched rows' unfused layers) `Model.feed_forward` runs the compiled
+    GELU (`NumbaBackend.compiled`), one call on all rows: logits equal the NumPy backend's, bit for bit."""
+    path = gemma_like(gemma_dir, "gemma3")
+    model = load(path, mode)
+    assert model.compiled[gelu_tanh_ggml] is layer_ggml_steps.gelu_ggml
+    assert layer_ggml_steps.gelu_ggml in model.backend.row_invariant
+    ids = np.array([5, 60, 7, 200, 31, 9, 17, 4, 88, 3, 11, 12, 13])  # 13 positions: windows of 4 cut keys off
+    ref = ggufpy.load(path, backend="numpy", numerics=mode, tokenizer=False).logits(ids)
+    got = model.logits(ids)
+    assert np.array_equal(got.view(np.uint32), ref.view(np.uint32)), f"max |diff| {np.abs(got - ref).max()}"
+
+
 @pytest.mark.parametrize("threads", [2, pytest.param(1, marks=pytest.mark.slow)])
 def test_gemma3_bit_identical(threads):
     """Gemma 3 270M (Q5_0, Q8_0, Q4_K, Q6_K; Q/K norms, Q scaling, GELU, post-norms, a window of 512 on 15 of

@@ -25,10 +25,10 @@ import numpy as np
 
 from .. import moe, ops
 from ..constants import GGMLType
-from ..numerics import NUMERICS, Numerics, attention_x86, libm_expf, rope_angles_ggml, rope_ggml
+from ..numerics import NUMERICS, Numerics, attention_x86, gelu_tanh_ggml, libm_expf, rope_angles_ggml, rope_ggml
 from ..weights import ExpertTensor, QuantTensor
 from . import activations as act
-from . import experts, glue_ggml, int8dot, x86
+from . import experts, glue_ggml, int8dot, layer_ggml_steps, x86
 from . import ops as kernel_ops
 from ._numba import set_threads
 from .attention import _attention as _attention_kernel
@@ -426,6 +426,7 @@ class NumbaBackend(CompileAhead, ExpertProducts):
         rope_ggml: glue_ggml.rope_ggml,  # bit-identical to the NumPy functions of the llamacpp numerics
         NUMERICS["llamacpp"].activations["silu"]: glue_ggml.silu_rows,
         NUMERICS["llamacpp-avx2"].activations["silu"]: functools.partial(x86.silu_rows, isa="avx2"),
+        gelu_tanh_ggml: layer_ggml_steps.gelu_ggml,  # ggml's fp16 GELU table, the same lookup per element
         moe.softmax_ggml: experts.softmax_ggml,  # the router's softmax, same `isa` argument
         libm_expf: glue_ggml.expf_array,  # the C library's expf per element (swiglu_oai, sigmoid gates)
         rope_angles_ggml: functools.partial(rope_angles_ggml, cos_sin=glue_ggml.cos_sin),  # cosf/sinf compiled
@@ -520,9 +521,10 @@ class NumbaBackend(CompileAhead, ExpertProducts):
 
         return attention_rows(self, q, kv, scale, **extra)
 
-    # Activations whose compiled loop does the same f32 operations in its SIMD body and its scalar tail, so that
-    # one call on (B, F) equals B calls of one row (tests/test_batch.py): `Model.feed_forward` makes one call.
-    row_invariant: ClassVar[frozenset] = frozenset({kernel_ops.silu, kernel_ops.gelu_tanh})
+    # Activations whose compiled loop does the same f32 operations in its SIMD body and its scalar tail (ggml's
+    # GELU: one table lookup per element), so that one call on (B, F) equals B calls of one row
+    # (tests/test_batch.py): `Model.feed_forward` then makes one call.
+    row_invariant: ClassVar[frozenset] = frozenset({kernel_ops.silu, kernel_ops.gelu_tanh, layer_ggml_steps.gelu_ggml})
 
     def __repr__(self) -> str:
         return (
