@@ -46,7 +46,7 @@ import numpy as np
 
 from ..numerics import rope_ggml
 from ..quants.x86.attention import n_kv_cells
-from . import glue_ggml, int8dot, x86
+from . import glue_ggml, int8dot, x86, x86_decode
 from ._numba import call_native, compiled_in_background, jit, native
 from .backend import NumbaBackend, _is_x86_attention
 from .layer import optional_steps
@@ -157,7 +157,7 @@ def _block(
     where the layer has none) and the activation's table (`FusedGgmlLayer.steps`); q_scale: Q's scale after
     RoPE or 0; dims: the integers of `FusedGgmlLayer.dims`. Each kernel is called at its address (fns[slot],
     keys[slot]: `native`)."""
-    n_heads, n_kv_heads, head_dim, hidden, act_kind, act_lanes, lanes, hp, window, n_kv = dims
+    n_heads, n_kv_heads, head_dim, hidden, act_kind, act_lanes, task_at, task_key, hp, window, n_kv = dims
     q_norm, k_norm, post_attn_norm, post_ffw_norm, act_table = steps
     D = h.shape[1]
     Q = n_heads * head_dim
@@ -187,7 +187,8 @@ def _block(
             vc[pos, g, e] = _f16_bits(yv[0, g * head_dim + e])
     attn = np.empty((n_heads, head_dim), np.float32)  # (H, E)
     # reads cells 0..pos only: the whole cache is the same computation as its view of positions 0..pos
-    args = (qr.reshape((n_heads, head_dim)), kc, vc, pos, pos + 1, n_kv, scale, window, sinks, lanes, hp, nt, attn)
+    task = (task_at, task_key)
+    args = (qr.reshape((n_heads, head_dim)), kc, vc, pos, pos + 1, n_kv, scale, window, sinks, task, hp, nt, attn)
     call_native(fns[ATTN], keys[ATTN], args)
     acts = _quantized(fns, keys, attn.reshape((1, Q)), _formats(kinds, WO, WO + 1))
     yo = np.empty((1, D), np.float32)
@@ -293,8 +294,8 @@ class FusedGgmlLayer:
         self.scale, self.q_scale, *norms = optional_steps(config, w)
         act, act_kind, act_lanes, act_table = activation_native(backend, config.arch.activation, self.hidden)
         self.steps = (*norms, act_table)  # Q norm, K norm, post-attention norm, post-FFN norm, activation table
-        lanes = x86.ISA_LANES[nm.x86_isa]
-        dims = (self.n_heads, self.n_kv, self.head_dim, self.hidden, act_kind, act_lanes, lanes)
+        task = x86_decode.task(x86.ISA_LANES[nm.x86_isa])  # the attention's per-head-group task, at its address
+        dims = (self.n_heads, self.n_kv, self.head_dim, self.hidden, act_kind, act_lanes, *task)
         self.dims = dims  # + hp, window, n_kv per call
         D, Q = config.dim, self.n_heads * self.head_dim
         f32 = np.float32
@@ -303,7 +304,7 @@ class FusedGgmlLayer:
             native(_rms_norm, (row, self.attn_norm, self.eps, row)),
             native(_rms_norm, (row, self.ffn_norm, self.eps, row)),
             native(glue_ggml._rope, (q3, np.zeros((1, 1), f32), np.zeros((1, 1), f32), self.neox, q3)),
-            native(_attention_one, (q3[0], k3, k3, 0, 1, 256, self.scale, 0, _NO_SINKS, 16, 1, 1, q3[0])),
+            native(_attention_one, (q3[0], k3, k3, 0, 1, 256, self.scale, 0, _NO_SINKS, (0, 0), 1, 1, q3[0])),
             act,
             native(int8dot._quantize_q8_0, (np.zeros((1, Q), f32), True, *_sample_activations(int8dot.Q8_0, 32))),
             native(int8dot._quantize_q8_k, (row, *_sample_activations(int8dot.Q8_K, 256))),

@@ -165,7 +165,7 @@ def _block_rows(
     """The block for N rows h (N, D), row r at position pos[r] of the cache whose layer arrays (f16 bits as u16,
     (capacity, G, E)) start at k_at[r], v_at[r]; n_kv[r]: the cells its attention reads (`n_kv_cells`); steps,
     q_scale: the optional steps of `layer_ggml._block`, on every row."""
-    n_heads, n_kv_heads, head_dim, hidden, act_kind, act_lanes, lanes, hp, window = dims
+    n_heads, n_kv_heads, head_dim, hidden, act_kind, act_lanes, task_at, task_key, hp, window = dims
     q_norm, k_norm, post_attn_norm, post_ffw_norm, act_table = steps
     N, D = h.shape
     Q = n_heads * head_dim
@@ -203,7 +203,8 @@ def _block_rows(
         p = pos[r]
         kc = carray(u16_pointer(k_at[r]), (p + 1, n_kv_heads, head_dim))
         vc = carray(u16_pointer(v_at[r]), (p + 1, n_kv_heads, head_dim))
-        args = (qr[r], kc, vc, p, p + 1, n_kv[r], scale, window, sinks, lanes, hp, nt, attn[r])
+        task = (task_at, task_key)
+        args = (qr[r], kc, vc, p, p + 1, n_kv[r], scale, window, sinks, task, hp, nt, attn[r])
         call_native(fns[ATTN], keys[ATTN], args)
     acts = _quantized_rows(fns, keys, attn.reshape((N, Q)), _formats(kinds, WO, WO + 1))
     yo = np.empty((N, D), np.float32)

@@ -28,13 +28,15 @@ loops alone): K products ~60% (2/3 of it the horizontal sums, which LLVM leaves 
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
-from ._numba import DISABLED, fma_f32, half_to_float, jit, prange, use_threads
+from ._numba import DISABLED, call_native, fma_f32, half_to_float, jit, native, prange, use_threads
 from .glue_ggml import _libm_expf
 from .x86_decode_ir import kq_scores_8, kq_scores_16, pv_1, pv_2, pv_4, widen_f16
 
-__all__ = ["attention_one", "round_f16_lane", "v_expf_256", "v_expf_lane"]
+__all__ = ["attention_one", "round_f16_lane", "task", "v_expf_256", "v_expf_lane"]
 
 _f32 = np.float32
 
@@ -345,21 +347,39 @@ def _one_task(q, k, v, g, h0, hp, lo, hi, S, n_kv, scale, sinks, lanes, out):
             _values(v, g, w[hh], base, min(S, end), lanes, acc, out[h0 + hh])
 
 
+@jit
+def _task_16(q, k, v, g, h0, hp, lo, hi, S, n_kv, scale, sinks, out):
+    _one_task(q, k, v, g, h0, hp, lo, hi, S, n_kv, scale, sinks, 16, out)
+
+
+@jit
+def _task_8(q, k, v, g, h0, hp, lo, hi, S, n_kv, scale, sinks, out):
+    _one_task(q, k, v, g, h0, hp, lo, hi, S, n_kv, scale, sinks, 8, out)
+
+
+@functools.cache
+def task(lanes: int) -> tuple[int, int]:
+    """(address, key) of `_one_task` for `lanes` (16 or 8), compiled for the argument types `_attention_one`
+    passes it: q, out (H, E) f32, k, v (S, G, E) u16, sinks (H,) or (0,) f32, all C-contiguous and writable."""
+    q, kv, sinks = np.zeros((1, 8), np.float32), np.zeros((1, 1, 8), np.uint16), np.zeros(0, np.float32)
+    args = (q, kv, kv, 0, 0, 1, 0, 1, 1, 256, _f32(1.0), sinks, q)
+    return native(_task_16 if lanes == 16 else _task_8, args)
+
+
 @jit(parallel=True)
-def _attention_one(q, k, v, p, S, n_kv, scale, window, sinks, lanes, hp, nt, out):
-    """q (H, E) f32 at position p; k, v (S, G, E) f16 bits (u16); sinks (H,) or (0,); hp query heads per task
-    (a divisor of H / G); out (H, E)."""
+def _attention_one(q, k, v, p, S, n_kv, scale, window, sinks, task, hp, nt, out):
+    """q (H, E) f32 at position p; k, v (S, G, E) f16 bits (u16); sinks (H,) or (0,); task: `task(lanes)`;
+    hp query heads per task (a divisor of H / G); out (H, E). The task is called at its address: linked in,
+    its code would be optimized again in the parfor body and in this function (~70 s of LLVM per lane count,
+    cold cache, against ~10 s)."""
     H = q.shape[0]
     r = H // k.shape[1]
     lo = max(0, p - window + 1) if window > 0 else 0  # the keys this query sees: lo <= j < hi
     hi = min(p + 1, S)
     previous = use_threads(nt)
-    for task in prange(H // hp):
-        h0 = task * hp
-        if lanes == 16:
-            _one_task(q, k, v, h0 // r, h0, hp, lo, hi, S, n_kv, scale, sinks, 16, out)
-        else:
-            _one_task(q, k, v, h0 // r, h0, hp, lo, hi, S, n_kv, scale, sinks, 8, out)
+    for t in prange(H // hp):
+        h0 = t * hp
+        call_native(task[0], task[1], (q, k, v, h0 // r, h0, hp, lo, hi, S, n_kv, scale, sinks, out))
     use_threads(previous)
 
 
@@ -371,17 +391,18 @@ def attention_one(q, k, v, start, scale, window, sinks, lanes, threads, n_kv) ->
     G = k.shape[1]
     hp = H // G if G >= threads else 1
     out = np.empty((H, E), np.float32)
+    cw = ["C", "W"]  # C-contiguous and writable: the types `task` was compiled for (a copy where not)
     _attention_one(
-        np.ascontiguousarray(q, np.float32),
-        np.ascontiguousarray(k).view(np.uint16),  # the IR products take C-contiguous caches
-        np.ascontiguousarray(v).view(np.uint16),
+        np.require(q, np.float32, cw),
+        np.require(k, None, cw).view(np.uint16),  # the IR products take C-contiguous caches
+        np.require(v, None, cw).view(np.uint16),
         start,
         k.shape[0],
         n_kv,
         np.float32(scale),
         window or 0,
-        sinks,
-        lanes,
+        np.require(sinks, np.float32, cw),
+        task(lanes),
         hp,
         threads,
         out,
