@@ -17,12 +17,13 @@ the result does not depend on the thread count. A decoded token (T = 1) over the
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import numpy as np
 
 from ..quants.x86.attention import n_kv_cells
-from ._numba import get_threads, half_to_float, jit, prange, use_threads
+from ._numba import call_native, get_threads, half_to_float, jit, native, prange, use_threads
 from .glue_ggml import _libm_expf, round_f16, round_f16_array, v_expf
 from .x86_decode import _soft_max_row, attention_one, v_expf_256
 
@@ -171,31 +172,45 @@ def _soft_max(w, lo, hi, scale, lanes, sinks, h):
     _soft_max_row(w, 0, lo, hi, w.size, scale, lanes, sinks[h] if has_sink else _f32(0.0), has_sink)
 
 
+@jit
+def _query(q16, kt, vc, t, h, start, S, scale, window, sinks, lanes, tb_kq, tb_kqv, out):
+    """out[t, h]: query t of head h (see `_attention`)."""
+    n_kv = vc.shape[1]
+    E = q16.shape[2]
+    g = h // (q16.shape[1] // vc.shape[0])
+    p = start + t
+    acc = np.empty((4 * lanes, max(_KEYS, E)), np.float32)
+    w = np.empty(n_kv, np.float32)
+    lo = max(0, p - window + 1) if window > 0 else 0  # the keys this query sees: lo <= j < hi
+    hi = min(p + 1, S)
+    for j0 in range(lo - lo % _KEYS, hi, _KEYS):  # kq = mul_mat(K, fp16(q)), a block of keys at a time
+        # each output is its own column's sum, so the masked keys past hi (-inf below) are not computed
+        j1 = min(j0 + _KEYS, hi)
+        _f16_products(kt[g], j0, j1 - j0, q16[t, h], E, lanes, tb_kq, acc, w[j0:j1], 0, E)
+    _soft_max(w, lo, hi, scale, lanes, sinks, h)
+    _f16_products(vc[g], 0, E, w, n_kv, lanes, tb_kqv, acc, out[t, h], lo, hi)  # kqv = mul_mat(V^T, fp16(p))
+
+
+@functools.cache
+def _query_task() -> tuple[int, int]:
+    """(address, key) of `_query` for the argument types `_attention` passes it (C-contiguous, writable)."""
+    a3, a1 = np.zeros((1, 1, 8), np.float32), np.zeros(0, np.float32)
+    return native(_query, (a3, a3, a3, 0, 0, 0, 1, _f32(1.0), 0, a1, 8, False, False, a3))
+
+
 @jit(parallel=True)
-def _attention(q16, kt, vc, start, S, scale, window, sinks, lanes, nt, out):
+def _attention(q16, kt, vc, start, S, scale, window, sinks, lanes, task, nt, out):
     """q16 (T, H, E), kt (G, E, n_kv), vc (G, n_kv, E): f32 holding f16 values (zeros past S); sinks (H,) or
-    (0,); out (T, H, E)."""
+    (0,); task: `_query_task()`, called at its address (linked in, its code is optimized again in the parfor
+    body: 22 s of a cold compile against ~5); out (T, H, E)."""
     T, H, E = q16.shape
-    G, n_kv, _ = vc.shape
-    r = H // G
+    n_kv = vc.shape[1]
     tb_kq = T >= 2 and E % lanes == 0  # tinyBLAS takes the product (`float_matmul`); n_kv % 4 == 0 always
     tb_kqv = T >= 2 and n_kv % lanes == 0 and E % 4 == 0
     previous = use_threads(nt)
-    for task in prange(T * H):
-        t = task // H
-        h = task % H
-        g = h // r
-        p = start + t
-        acc = np.empty((4 * lanes, max(_KEYS, E)), np.float32)
-        w = np.empty(n_kv, np.float32)
-        lo = max(0, p - window + 1) if window > 0 else 0  # the keys this query sees: lo <= j < hi
-        hi = min(p + 1, S)
-        for j0 in range(lo - lo % _KEYS, hi, _KEYS):  # kq = mul_mat(K, fp16(q)), a block of keys at a time
-            # each output is its own column's sum, so the masked keys past hi (-inf below) are not computed
-            j1 = min(j0 + _KEYS, hi)
-            _f16_products(kt[g], j0, j1 - j0, q16[t, h], E, lanes, tb_kq, acc, w[j0:j1], 0, E)
-        _soft_max(w, lo, hi, scale, lanes, sinks, h)
-        _f16_products(vc[g], 0, E, w, n_kv, lanes, tb_kqv, acc, out[t, h], lo, hi)  # kqv = mul_mat(V^T, fp16(p))
+    for i in prange(T * H):
+        args = (q16, kt, vc, i // H, i % H, start, S, scale, window, sinks, lanes, tb_kq, tb_kqv, out)
+        call_native(task[0], task[1], args)
     use_threads(previous)
 
 
@@ -258,5 +273,6 @@ def attention(
     k, v = (a.view(np.uint16) if f16 else np.asarray(a, np.float32) for a in (k, v))
     _cache_layout(k, v, f16, kt, vc)
     out = np.empty((T, H, E), np.float32)
-    _attention(q16, kt, vc, start, S, np.float32(scale), window or 0, sinks, ISA_LANES[isa], nt, out)
+    sinks = np.require(sinks, np.float32, ["C", "W"])  # the types `_query_task` was compiled for
+    _attention(q16, kt, vc, start, S, np.float32(scale), window or 0, sinks, ISA_LANES[isa], _query_task(), nt, out)
     return out.reshape(T, H * E)
