@@ -342,6 +342,14 @@ class Int8Weight:
     kernel: object
     k_type: bool  # Q8_K activations: the kernel takes bsums, not s / asum
 
+    def __post_init__(self):
+        # read-only always, as a file's pages are: numba compiles a kernel once per argument type, and a
+        # writable weight (a copy, a test's array) is another type (~57 s of duplicate compiles per cold run)
+        if self.raw.flags.writeable:
+            raw = self.raw.view()
+            raw.flags.writeable = False
+            object.__setattr__(self, "raw", raw)
+
 
 def weight(w: QuantTensor, interleave: bool = True) -> Int8Weight | None:
     """The integer-kernel form of `w`, or None when it has none (type, shape, CPU): then the f32 kernels run.
