@@ -11,7 +11,15 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 import pytest
 
 from conformance.fixtures import TinyLlama, write_tiny_llama
-from tests.models import smollm2_path
+from ggufpy import packaged
+from tests.models import _find, smollm2_path
+
+
+def pytest_configure(config):
+    """Assemble Gemma 3 once, here in pytest-xdist's controller (or the only process), before any worker starts:
+    two workers joining its chunks into the same ~/.cache file at once would race."""
+    if not hasattr(config, "workerinput"):
+        _find(packaged.gemma3_path)
 
 
 @pytest.fixture(scope="session")
