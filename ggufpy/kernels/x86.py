@@ -25,7 +25,7 @@ import numpy as np
 from ..quants.x86.attention import n_kv_cells
 from ._numba import call_native, get_threads, half_to_float, jit, native, prange, use_threads
 from .glue_ggml import _libm_expf, round_f16, round_f16_array, v_expf
-from .x86_decode import _soft_max_row, attention_one, v_expf_256
+from .x86_decode import _soft_max_row, attention_one, v_expf_256, writable
 
 __all__ = ["ISA_LANES", "attention", "silu_rows", "v_expf_256"]
 
@@ -273,6 +273,6 @@ def attention(
     k, v = (a.view(np.uint16) if f16 else np.asarray(a, np.float32) for a in (k, v))
     _cache_layout(k, v, f16, kt, vc)
     out = np.empty((T, H, E), np.float32)
-    sinks = np.require(sinks, np.float32, ["C", "W"])  # the types `_query_task` was compiled for
+    sinks = writable(sinks, np.float32)  # the types `_query_task` was compiled for
     _attention(q16, kt, vc, start, S, np.float32(scale), window or 0, sinks, ISA_LANES[isa], _query_task(), nt, out)
     return out.reshape(T, H * E)

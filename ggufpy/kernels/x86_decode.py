@@ -36,7 +36,7 @@ from ._numba import DISABLED, call_native, fma_f32, half_to_float, jit, native, 
 from .glue_ggml import _libm_expf
 from .x86_decode_ir import kq_scores_8, kq_scores_16, pv_1, pv_2, pv_4, widen_f16
 
-__all__ = ["attention_one", "round_f16_lane", "task", "v_expf_256", "v_expf_lane"]
+__all__ = ["attention_one", "round_f16_lane", "task", "v_expf_256", "v_expf_lane", "writable"]
 
 _f32 = np.float32
 
@@ -383,6 +383,13 @@ def _attention_one(q, k, v, p, S, n_kv, scale, window, sinks, task, hp, nt, out)
     use_threads(previous)
 
 
+def writable(a: np.ndarray, dtype) -> np.ndarray:
+    """a as a C-contiguous, writable array of `dtype` (a copy only where it is not): the argument types the
+    tasks called at their addresses were compiled for. (np.require costs ~2 us a call, this ~0.3.)"""
+    a = np.ascontiguousarray(a, dtype)
+    return a if a.flags.writeable else a.copy()
+
+
 def attention_one(q, k, v, start, scale, window, sinks, lanes, threads, n_kv) -> np.ndarray:
     """`x86.attention` for T = 1 over an f16 cache: q (H, E) f32, k, v (S, G, E) f16, sinks (H,) f32 or (0,);
     returns (H, E) f32. A task takes one KV group's query heads (one pass over its K rows), or a single head
@@ -391,17 +398,16 @@ def attention_one(q, k, v, start, scale, window, sinks, lanes, threads, n_kv) ->
     G = k.shape[1]
     hp = H // G if G >= threads else 1
     out = np.empty((H, E), np.float32)
-    cw = ["C", "W"]  # C-contiguous and writable: the types `task` was compiled for (a copy where not)
     _attention_one(
-        np.require(q, np.float32, cw),
-        np.require(k, None, cw).view(np.uint16),  # the IR products take C-contiguous caches
-        np.require(v, None, cw).view(np.uint16),
+        writable(q, np.float32),
+        writable(k, k.dtype).view(np.uint16),  # the IR products take C-contiguous caches
+        writable(v, v.dtype).view(np.uint16),
         start,
         k.shape[0],
         n_kv,
         np.float32(scale),
         window or 0,
-        np.require(sinks, np.float32, cw),
+        writable(sinks, np.float32),
         task(lanes),
         hp,
         threads,
