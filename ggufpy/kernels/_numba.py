@@ -36,7 +36,6 @@ __all__ = [
     "jit",
     "load_cached",
     "native",
-    "parallel_ranges",
     "prange",
     "set_threads",
     "signature",
@@ -382,15 +381,3 @@ def set_threads(n: int | None) -> int:
 
 def get_threads() -> int:
     return numba.get_num_threads()
-
-
-@jit(parallel=True)
-def parallel_ranges(nt, n, chunk, task, args):
-    """On nt threads, the task at `task` ((address, key) from `native`, a serial kernel whose last two
-    arguments are a range) over 0..n in ranges of `chunk`: call_native(*task, args + (first, stop)). Linked
-    into a parfor, a serial body's code is optimized again in the parfor and again in its caller (attention:
-    73 s of a cold compile against 11); at its address it is compiled once, and this driver is small."""
-    previous = use_threads(nt)
-    for c in prange((n + chunk - 1) // chunk):
-        call_native(task[0], task[1], (*args, c * chunk, min(n, (c + 1) * chunk)))
-    use_threads(previous)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import rawblocks
-from ._numba import get_threads, half_to_float, jit, native, parallel_ranges, prange, use_threads
+from ._numba import get_threads, half_to_float, jit, prange, use_threads
 from .layout import GROUP, Packed
 
 __all__ = ["matvec", "plan", "unpack"]
@@ -336,20 +336,20 @@ def _mv_i8_row(nt, q, a, b, sc, mn, per, zo, xv, terms, exact, out):
 
 
 # --- unpacking to dense rows (bit-identical to the reference dequantizers) --------------------------------------
-@jit
-def _unpack_t(q, family, a, b, sc, mn, per, zo, g0, out, first, stop):
-    """Groups g0 + i (first <= i < stop) of the weight, transposed: out (cols, 64 * groups) with out[k, r] =
-    W[r, k]. Vectorized over the 64 rows of a group, like the products. The reference's operation order:
-    A = d * sc (exact), then A * q, then + B (B = -(dmin * m), m, or -0.0, which leaves every value as it is).
-    A task of `parallel_ranges`."""
+@jit(parallel=True)
+def _unpack_t(nt, q, family, a, b, sc, mn, per, zo, g0, out):
+    """Groups g0.. of the weight, transposed: out (cols, 64 * groups) with out[k, r] = W[r, k]. Vectorized
+    over the 64 rows of a group, like the products. The reference's operation order: A = d * sc (exact),
+    then A * q, then + B (B = -(dmin * m), m, or -0.0, which leaves every value as it is)."""
+    previous = use_threads(nt)
     _, n, S, width = q.shape
     quarter = width // 3
     z = np.float32(zo)
-    scale = np.empty((1, 64), np.float32)
-    offset = np.empty((1, 64), np.float32)
-    sc0, of0 = scale[0], offset[0]
-    for i in range(first, stop):
+    for i in prange(out.shape[1] // 64):
         g = g0 + i
+        scale = np.empty((1, 64), np.float32)
+        offset = np.empty((1, 64), np.float32)
+        sc0, of0 = scale[0], offset[0]
         c0 = 64 * i
         for s in range(n):
             _scales(a, b, sc, mn, per, g, s, scale, offset, 0)
@@ -370,6 +370,7 @@ def _unpack_t(q, family, a, b, sc, mn, per, zo, g0, out, first, stop):
                 else:  # i8
                     for r in range(64):
                         row[r] = sc0[r] * (np.float32(np.int32(q[g, s, k, r])) + z) + of0[r]
+    use_threads(previous)
 
 
 _FAMILY = {"nib": 0, "nib6": 1, "i8": 2}
@@ -426,6 +427,5 @@ def unpack(p: Packed, g0: int, g1: int, out: np.ndarray | None = None, threads: 
         out = np.empty((p.cols, (g1 - g0) * GROUP), np.float32)
     if p.family == "blocks":
         return rawblocks.unpack(p.type, p.q, p.cols, g0, out, threads or get_threads())
-    args = (p.q, _FAMILY[p.family], *_scale_args(p), p.zo, g0, out)
-    parallel_ranges(threads or get_threads(), out.shape[1] // 64, 1, native(_unpack_t, (*args, 0, 0)), args)
+    _unpack_t(threads or get_threads(), p.q, _FAMILY[p.family], *_scale_args(p), p.zo, g0, out)
     return out

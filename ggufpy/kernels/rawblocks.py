@@ -25,7 +25,7 @@ from ..constants import GGMLType
 from ..quants.grids import IQ1S_GRID, IQ2S_GRID, IQ2XS_GRID, IQ2XXS_GRID, IQ3S_GRID, IQ3XXS_GRID
 from ..quants.iqgrid import KSIGNS_IQ2XS
 from ..quants.lowbit import KVALUES_MXFP4, UE4M3_HALF, e8m0_to_fp32_half
-from ._numba import get_threads, half_to_float, jit, native, parallel_ranges, prange, use_threads
+from ._numba import half_to_float, jit, prange, use_threads
 
 __all__ = ["BLOCK_TYPES", "Format", "dequantize", "matvec", "unpack"]
 
@@ -324,19 +324,20 @@ def _matvec(nt, kind, bs, ts, sub, qf, rb, xv, terms, exact, out):
     use_threads(previous)
 
 
-@jit
-def _unpack_t(kind, bs, ts, sub, qf, rb, g0, out, first, stop):
-    """Groups g0 + j (first <= j < stop) of the weight, dense and transposed: out[k, 64j + i] = W[64(g0 + j) + i,
-    k], each value scale * value as the reference computes it. A block's values go to a row-major tile
-    (contiguous stores), then the tile into `out` by columns of 64. A task of `parallel_ranges`."""
+@jit(parallel=True)
+def _unpack_t(nt, kind, bs, ts, sub, qf, rb, g0, out):
+    """Groups g0.. of the weight, dense and transposed: out[k, 64j + i] = W[64(g0 + j) + i, k], each value
+    scale * value as the reference computes it. A block's values go to a row-major tile (contiguous stores),
+    then the tile into `out` by columns of 64."""
+    previous = use_threads(nt)
     nb = rb // ts
-    v = np.empty(256, np.int8)
-    w = v.view(np.uint64)
-    sc = np.empty(16, np.float32)
-    scb = np.empty(256, np.float32)
-    tile = np.empty((64, bs), np.float32)
-    for j in range(first, stop):
+    for j in prange(out.shape[1] // 64):
         g = g0 + j
+        v = np.empty(256, np.int8)
+        w = v.view(np.uint64)
+        sc = np.empty(16, np.float32)
+        scb = np.empty(256, np.float32)
+        tile = np.empty((64, bs), np.float32)
         for blk in range(nb):
             for i in range(64):
                 _dequantize_block(kind, qf, (64 * g + i) * rb + blk * ts, bs, sub, v, w, sc, scb, tile[i])
@@ -344,21 +345,18 @@ def _unpack_t(kind, bs, ts, sub, qf, rb, g0, out, first, stop):
                 row = out[blk * bs + k]
                 for i in range(64):
                     row[64 * j + i] = tile[i, k]
+    use_threads(previous)
 
 
-@jit
-def _dequantize(kind, bs, ts, sub, bf, out, first, stop):
-    """Blocks first..stop - 1 (flat bytes bf, `ts` per block) -> out f32[n, bs], bit-identical to the reference
-    dequantizer. A task of `parallel_ranges`."""
-    v = np.empty(256, np.int8)
-    w = v.view(np.uint64)
-    sc = np.empty(16, np.float32)
-    scb = np.empty(256, np.float32)
-    for n in range(first, stop):
+@jit(parallel=True)
+def _dequantize(kind, bs, ts, sub, bf, out):
+    """Blocks (flat bytes bf, `ts` per block) -> out f32[n, bs], bit-identical to the reference dequantizer."""
+    for n in prange(out.shape[0]):
+        v = np.empty(256, np.int8)
+        w = v.view(np.uint64)
+        sc = np.empty(16, np.float32)
+        scb = np.empty(256, np.float32)
         _dequantize_block(kind, bf, n * ts, bs, sub, v, w, sc, scb, out[n])
-
-
-_DEQUANTIZE_CHUNK = 64  # blocks per task
 
 
 def matvec(ggml_type: GGMLType, q: np.ndarray, xv: np.ndarray, terms, out: np.ndarray, threads: int) -> np.ndarray:
@@ -398,8 +396,7 @@ def unpack(ggml_type: GGMLType, q: np.ndarray, cols: int, g0: int, out: np.ndarr
     """Dense rows of groups g0.. into out (cols, 64 * groups), transposed (see `matvec.unpack`)."""
     f = BLOCK_TYPES[ggml_type]
     rb = q.shape[2]
-    args = (f.kind, f.block_size, rb // (cols // f.block_size), f.sub, q.reshape(-1), rb, g0, out)
-    parallel_ranges(threads, out.shape[1] // 64, 1, native(_unpack_t, (*args, 0, 0)), args)
+    _unpack_t(threads, f.kind, f.block_size, rb // (cols // f.block_size), f.sub, q.reshape(-1), rb, g0, out)
     return out
 
 
@@ -407,5 +404,4 @@ def dequantize(ggml_type: GGMLType, blocks: np.ndarray, out: np.ndarray) -> None
     """A `dequant.DEQUANTIZERS` driver: blocks u8[n, type_size] -> out f32[n, block_size]."""
     f = BLOCK_TYPES[ggml_type]
     n, ts = blocks.shape
-    args = (f.kind, f.block_size, ts, f.sub, np.ascontiguousarray(blocks).reshape(-1), out.reshape(n, -1))
-    parallel_ranges(get_threads(), n, _DEQUANTIZE_CHUNK, native(_dequantize, (*args, 0, 0)), args)
+    _dequantize(f.kind, f.block_size, ts, f.sub, np.ascontiguousarray(blocks).reshape(-1), out.reshape(n, -1))
